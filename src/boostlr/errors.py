@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Anything raised as :class:`BoostlrError` is a problem with the user's input (config, data,
+checkpoint, world size). The CLI prints its one-line message and exits with code 2, so the
+message must name both the problem and the fix.
+"""
+
+
+class BoostlrError(Exception):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+class ConfigError(BoostlrError):
+    """Invalid configuration value, unknown key or impossible shape."""
+
+
+class DataError(BoostlrError):
+    """Missing, unreadable or inconsistent dataset files."""
+
+
+class CheckpointError(BoostlrError):
+    """Missing, incomplete or incompatible checkpoint."""
