@@ -20,3 +20,7 @@ class DataError(BoostlrError):
 
 class CheckpointError(BoostlrError):
     """Missing, incomplete or incompatible checkpoint."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""

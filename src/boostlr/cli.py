@@ -1,0 +1,190 @@
+"""``boostlr`` command line: prepare | train | export | generate.
+
+Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
+a diverged run exits with code 1 after keeping its last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from boostlr.errors import BoostlrError, TrainingDiverged
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="boostlr",
+        description="Pre-train low-rank bottleneck LLMs (CoLA, SVD, LaX) with BOOST.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="tokenize text files into memory-mapped token shards")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="files or directories (.txt .md .py .jsonl .parquet); "
+        "default: the Python standard library",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
+    p.add_argument(
+        "--tokenizer",
+        default="bpe:4096",
+        help="bpe:VOCAB to train a byte-level BPE, or a tokenizer.json / HF dir",
+    )
+    p.add_argument("--val-fraction", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+
+    t = sub.add_parser(
+        "train",
+        help="train a model",
+        description="Train. Any config value can be overridden as --section.key VALUE "
+        "(sections: model, data, train, parallel); see README for the reference.",
+    )
+    t.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
+    t.add_argument("--run-dir", default=None, help="run directory (default runs/<timestamp>)")
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest valid checkpoint of --run-dir",
+    )
+    t.add_argument("--quiet", action="store_true", help="no console progress")
+
+    e = sub.add_parser("export", help="write a checkpoint as HF-named safetensors + config.json")
+    e.add_argument("checkpoint", help="runs/<run>/checkpoints/step_N or a run directory")
+    e.add_argument("--out", required=True, metavar="DIR")
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint or an export directory")
+    g.add_argument("path", help="checkpoint, run directory or export directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 means greedy decoding")
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu")
+    return parser
+
+
+def _cmd_prepare(args: argparse.Namespace) -> None:
+    from boostlr.data import prepare_dataset
+
+    if not 0 <= args.val_fraction < 1:
+        raise BoostlrError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    manifest = prepare_dataset(
+        args.input,
+        Path(args.out),
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        overwrite=args.overwrite,
+    )
+    splits = manifest["splits"]
+    print(
+        f"wrote {args.out}: vocab {manifest['vocab_size']}, "
+        + ", ".join(f"{name} {info['tokens']:,} tokens" for name, info in splits.items())
+    )
+
+
+def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from boostlr.config import build_config, parse_overrides
+    from boostlr.train.loop import CONFIG_FILE, train
+
+    pairs = parse_overrides(overrides)
+    if args.resume:
+        if args.run_dir is None:
+            raise BoostlrError("--resume needs --run-dir pointing at the run to continue")
+        run_dir = Path(args.run_dir)
+        saved = run_dir / CONFIG_FILE
+        if not saved.is_file():
+            raise BoostlrError(f"--resume: {saved} not found: is {run_dir} a boostlr run?")
+        cfg = build_config(saved, pairs)
+        if args.config is not None:
+            raise BoostlrError(
+                "--resume takes the run's own config.toml: drop the config file argument"
+            )
+    else:
+        cfg = build_config(args.config, pairs)
+        run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    train(cfg, run_dir, resume=args.resume, console=not args.quiet)
+
+
+def _cmd_export(args: argparse.Namespace) -> None:
+    from boostlr.export import export_checkpoint
+
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out))
+    print(f"exported {args.checkpoint} -> {out}")
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from boostlr.export import load_pretrained
+    from boostlr.generate import generate
+
+    model, tokenizer = load_pretrained(Path(args.path), device=args.device)
+    text = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(text)
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Pull ``--section.key VALUE`` pairs out before argparse sees (and misreads) them."""
+    rest: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if arg.startswith("--") and "." in name:
+            takes_value = "=" not in arg and i + 1 < len(argv)
+            overrides.extend(argv[i : i + (2 if takes_value else 1)])
+            i += 2 if takes_value else 1
+        else:
+            rest.append(arg)
+            i += 1
+    return rest, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    rest, extra = split_overrides(argv)
+    args = parser.parse_args(rest)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.command == "prepare":
+            _cmd_prepare(args)
+        elif args.command == "train":
+            _cmd_train(args, extra)
+        elif args.command == "export":
+            _cmd_export(args)
+        elif args.command == "generate":
+            _cmd_generate(args)
+    except BoostlrError as exc:
+        print(f"boostlr: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingDiverged as exc:
+        print(f"boostlr: training diverged: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except KeyboardInterrupt:
+        print("boostlr: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Finding and reading raw text documents.
+
+Inputs are plain files (.txt/.md/.py, one document each), JSON Lines (one document per line, in
+the ``text`` field) or Parquet (the ``text`` column). The default corpus is the running Python's
+own standard library plus the pydoc topics, so a first run needs no download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from boostlr.errors import DataError
+
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".py"})
+SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
+
+# Stdlib directories left out of the default corpus: tests, GUI/demo code, vendored or
+# installed packages and generated tables (codec maps, the pydoc topics dump, which is added
+# separately as prose).
+_STDLIB_EXCLUDE = frozenset(
+    {
+        "test",
+        "tests",
+        "idlelib",
+        "site-packages",
+        "dist-packages",
+        "lib2to3",
+        "__pycache__",
+        "ensurepip",
+        "tkinter",
+        "turtledemo",
+        "encodings",
+        "pydoc_data",
+        "lib-dynload",
+    }
+)
+_STDLIB_MAX_FILE_BYTES = 400_000
+
+
+def discover_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Expand files and directories (recursively) into a sorted list of usable input files.
+
+    Sorting makes the document order, and therefore the train/val split, reproducible.
+    """
+    if not paths:
+        raise DataError("no input paths given; pass at least one file or directory with --input")
+    found: set[Path] = set()
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise DataError(f"input path {path} does not exist; check the --input argument")
+        if path.is_dir():
+            found.update(_walk_dir(path))
+        elif path.suffix.lower() in SUFFIXES:
+            found.add(path.resolve())
+        else:
+            raise DataError(
+                f"input file {path} has unsupported type {path.suffix!r}; "
+                f"use one of {', '.join(sorted(SUFFIXES))}"
+            )
+    if not found:
+        raise DataError(
+            f"no usable files ({', '.join(sorted(SUFFIXES))}) found under "
+            f"{', '.join(str(p) for p in paths)}; point --input at your text data"
+        )
+    return sorted(found)
+
+
+def _walk_dir(root: Path) -> Iterator[Path]:
+    """Usable files under ``root``, skipping hidden files and directories (.git, .venv, ...)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath, name)
+            if not name.startswith(".") and path.suffix.lower() in SUFFIXES:
+                yield path.resolve()
+
+
+def iter_documents(files: Iterable[Path]) -> Iterator[str]:
+    """Yield every non-empty document of ``files`` in order."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            docs: Iterable[str] = _iter_jsonl(path)
+        elif suffix == ".parquet":
+            docs = _iter_parquet(path)
+        else:
+            docs = [_read_text(path)]
+        yield from (doc for doc in docs if doc)
+
+
+def _read_text(path: Path) -> str:
+    """Whole file as one document; invalid UTF-8 is replaced rather than fatal."""
+    try:
+        return path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}; check the file permissions") from exc
+
+
+def _iter_jsonl(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{path}:{lineno}: invalid JSON ({exc.msg}); fix or remove that line"
+                ) from exc
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(
+                    f'{path}:{lineno}: record has no string "text" field; '
+                    'every JSONL line must be an object like {"text": "..."}'
+                )
+            yield text
+
+
+def _iter_parquet(path: Path) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise DataError(
+            f"reading {path} needs pyarrow; run `pip install pyarrow` (or boostlr[parquet])"
+        ) from exc
+    try:
+        parquet = pq.ParquetFile(path)
+        if "text" not in parquet.schema_arrow.names:
+            raise DataError(
+                f"{path} has no 'text' column (columns: {', '.join(parquet.schema_arrow.names)}); "
+                "store the documents in a string column named 'text'"
+            )
+        for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+            yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow raises many unrelated types for corrupt files
+        raise DataError(f"cannot read parquet file {path}: {exc}; check the file") from exc
+
+
+def _stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus_files() -> list[Path]:
+    """The running Python's standard-library ``.py`` sources (about 8 MB), sorted."""
+    root = _stdlib_dir()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_EXCLUDE and not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath, name)
+            if name.endswith(".py") and path.stat().st_size <= _STDLIB_MAX_FILE_BYTES:
+                files.append(path)
+    if not files:
+        raise DataError(
+            f"no Python standard library sources found in {root}; "
+            "pass your own text with --input instead"
+        )
+    return sorted(files)
+
+
+def default_corpus_documents() -> Iterator[str]:
+    """Stdlib sources followed by the Python documentation topics (English prose)."""
+    yield from iter_documents(default_corpus_files())
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip pydoc_data
+        return
+    yield from (topics[key] for key in sorted(topics) if topics[key])

@@ -1,0 +1,160 @@
+"""Batches of fixed-length token windows read straight from memory-mapped shards.
+
+Window ``i`` of a split covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``: the first
+``seq_len`` are inputs, the last ``seq_len`` targets. Windows may cross document and shard
+boundaries (documents are separated by EOS), so no token is wasted on padding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from boostlr.data.prepare import SPLITS, validate_dataset
+from boostlr.errors import DataError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TokenDataset:
+    """All shards of one split of a prepared dataset, viewed as one read-only token array."""
+
+    def __init__(self, path: str | Path, split: str) -> None:
+        if split not in SPLITS:
+            raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        self.path = Path(path).expanduser()
+        self.manifest = validate_dataset(self.path)
+        self.split = split
+        self.vocab_size: int = self.manifest["vocab_size"]
+        self.eos_id: int = self.manifest["eos_id"]
+        self.tokenizer_path = self.path / self.manifest["tokenizer_file"]
+        dtype = np.dtype(self.manifest["dtype"])
+        shards = [s for s in self.manifest["splits"][split]["shards"] if s["tokens"] > 0]
+        self._shards = [
+            np.memmap(self.path / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
+            for s in shards
+        ]
+        # _starts[k] is the global index of shard k's first token; _starts[-1] is the total.
+        self._starts = np.cumsum([0] + [s["tokens"] for s in shards])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def tokens(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as a fresh array, stitched across shards."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"tokens [{start}, {start + length}) out of range 0..{len(self)}")
+        out = np.empty(length, dtype=np.int64)
+        done = 0
+        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while done < length:
+            offset = start + done - int(self._starts[shard])
+            part = self._shards[shard][offset : offset + length - done]
+            out[done : done + len(part)] = part
+            done += len(part)
+            shard += 1
+        return out
+
+
+def num_windows(dataset: TokenDataset, seq_len: int) -> int:
+    """How many ``seq_len + 1`` windows fit at stride ``seq_len``."""
+    return max(0, (len(dataset) - 1) // seq_len)
+
+
+def _windows_batch(dataset: TokenDataset, windows: np.ndarray, seq_len: int) -> Batch:
+    rows = np.stack([dataset.tokens(int(w) * seq_len, seq_len + 1) for w in windows])
+    data = torch.from_numpy(rows)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class BatchLoader:
+    """Endless, resumable stream of shuffled training batches for one data-parallel rank.
+
+    Every epoch is a permutation of all windows seeded by ``seed + epoch``; each step takes the
+    next ``batch_size * dp_size`` windows and rank ``dp_rank`` keeps its own slice, so ranks
+    never see the same window in a step and all ranks agree on the schedule without talking.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
+        if batch_size < 1 or seq_len < 1:
+            raise DataError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
+        self.dataset, self.batch_size, self.seq_len, self.seed = dataset, batch_size, seq_len, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_windows = num_windows(dataset, seq_len)
+        global_batch = batch_size * dp_size
+        if self.num_windows < global_batch:
+            raise DataError(
+                f"{dataset.split} split of {dataset.path} has {len(dataset)} tokens = "
+                f"{self.num_windows} windows of seq_len {seq_len}, fewer than batch_size x dp_size "
+                f"= {global_batch}; reduce the batch size or seq_len, or add more data"
+            )
+        self.batches_per_epoch = self.num_windows // global_batch
+        self.epoch = 0
+        self.position = 0
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        global_batch = self.batch_size * self.dp_size
+        start = self.position * global_batch + self.dp_rank * self.batch_size
+        windows = self._permutation()[start : start + self.batch_size].numpy()
+        self.position += 1
+        return _windows_batch(self.dataset, windows, self.seq_len)
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != self.epoch:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._perm = (self.epoch, torch.randperm(self.num_windows, generator=gen))
+        return self._perm[1]
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream stands; pass to :meth:`load_state_dict` to resume exactly here."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch, position = state.get("epoch"), state.get("position")
+        if not (isinstance(epoch, int) and isinstance(position, int)) or epoch < 0:
+            raise DataError(f"bad data loader state {state!r}; the checkpoint is corrupt")
+        if not 0 <= position <= self.batches_per_epoch:
+            raise DataError(
+                f"data loader state position {position} exceeds the {self.batches_per_epoch} "
+                "batches per epoch; resume with the same dataset, batch size, seq_len and dp size"
+            )
+        self.epoch, self.position = epoch, position
+
+
+def val_batches(
+    dataset: TokenDataset, batch_size: int, seq_len: int, max_batches: int
+) -> list[Batch]:
+    """The first ``max_batches`` batches of windows in order (the last may be smaller).
+
+    Fixed rather than shuffled so validation loss is comparable across steps and runs.
+    """
+    if batch_size < 1 or seq_len < 1:
+        raise DataError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
+    count = min(num_windows(dataset, seq_len), max_batches * batch_size)
+    return [
+        _windows_batch(dataset, np.arange(start, min(start + batch_size, count)), seq_len)
+        for start in range(0, count, batch_size)
+    ]

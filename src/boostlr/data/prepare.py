@@ -1,0 +1,418 @@
+"""Tokenise a corpus once into memory-mappable token shards plus a manifest.
+
+Layout of a prepared dataset directory::
+
+    manifest.json       what is here, with token counts and sha256 of every shard
+    tokenizer.json      the tokenizer used (so training/generation can decode)
+    train_00000.bin     raw little-endian uint16 (uint32 for vocabularies > 65535)
+    val_00000.bin
+
+The directory is built under a temporary name next to ``out_dir`` and renamed into place only
+when complete, so a crash never leaves a half-written dataset that looks valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from tokenizers import Tokenizer
+
+from boostlr.data.corpus import (
+    default_corpus_documents,
+    default_corpus_files,
+    discover_files,
+    iter_documents,
+)
+from boostlr.data.tokenizer import eos_id, resolve_tokenizer
+from boostlr.errors import DataError
+
+FORMAT = "boostlr-tokens"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPLITS = ("train", "val")
+_ENCODE_BATCH_CHARS = 4_000_000  # text handed to one encode_batch call (bounded memory)
+
+
+def prepare_dataset(
+    inputs: Sequence[str | Path] | None,
+    out_dir: str | Path,
+    tokenizer: str = "bpe:4096",
+    val_fraction: float = 0.01,
+    seed: int = 0,
+    shard_tokens: int = 50_000_000,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenise ``inputs`` (None: built-in stdlib corpus) into ``out_dir``; return the manifest."""
+    out = Path(out_dir).expanduser().absolute()
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction {val_fraction} must be in [0, 1); e.g. 0.01")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens {shard_tokens} must be positive; e.g. 50000000")
+    _check_out_dir(out, overwrite)
+    documents, source = _document_source(inputs)
+
+    n_docs = sum(1 for _ in documents())
+    if n_docs == 0:
+        raise DataError(f"{source['description']} contains no text; add non-empty documents")
+    val_docs = _val_indices(n_docs, val_fraction, seed)
+
+    tok = resolve_tokenizer(tokenizer, documents)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
+    eos = eos_id(tok)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tok.save(str(tmp / TOKENIZER_FILE))
+        _fsync(tmp / TOKENIZER_FILE)
+        writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
+        with _progress_bar(progress, n_docs) as advance:
+            for index, ids in _encode(tok, documents(), eos, dtype):
+                writers["val" if index in val_docs else "train"].write(ids)
+                advance(len(ids))
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "tokenizer": tokenizer,
+            "tokenizer_file": TOKENIZER_FILE,
+            "vocab_size": vocab_size,
+            "eos_id": eos,
+            "dtype": dtype.name,
+            "seed": seed,
+            "val_fraction": val_fraction,
+            "source": source,
+            "documents": {"train": n_docs - len(val_docs), "val": len(val_docs), "total": n_docs},
+            "splits": {split: w.close() for split, w in writers.items()},
+        }
+        _write_json(tmp / MANIFEST, manifest)
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse to clobber data; ``overwrite`` only ever replaces a (possibly broken) dataset."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"output {out} is a file; choose a directory path for --out")
+    if not any(out.iterdir()):
+        return
+    if not (out / MANIFEST).is_file():
+        raise DataError(
+            f"output directory {out} is not empty and is not a prepared dataset; "
+            "choose a new or empty directory for --out"
+        )
+    if not overwrite:
+        raise DataError(
+            f"output directory {out} already holds a prepared dataset; "
+            "pass --overwrite to rebuild it or choose another --out"
+        )
+
+
+def _document_source(
+    inputs: Sequence[str | Path] | None,
+) -> tuple[Callable[[], Iterator[str]], dict[str, Any]]:
+    """A re-iterable document stream (read once to count, once to train BPE, once to encode)."""
+    if inputs is None:
+        files = default_corpus_files()
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        source = {
+            "kind": "default",
+            "description": f"Python {version} standard library sources + pydoc topics",
+            "files": len(files),
+        }
+        return default_corpus_documents, source
+    files = discover_files(inputs)
+    source = {
+        "kind": "files",
+        "description": ", ".join(str(p) for p in inputs),
+        "files": len(files),
+    }
+    return lambda: iter_documents(files), source
+
+
+def _val_indices(n_docs: int, val_fraction: float, seed: int) -> frozenset[int]:
+    """Seeded choice of validation documents; at least one when possible, never all."""
+    if val_fraction == 0.0 or n_docs < 2:
+        return frozenset()
+    n_val = min(max(1, round(n_docs * val_fraction)), n_docs - 1)
+    order = np.random.default_rng(seed).permutation(n_docs)
+    return frozenset(order[:n_val].tolist())
+
+
+def _encode(
+    tok: Tokenizer, documents: Iterable[str], eos: int, dtype: np.dtype
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield ``(document index, token ids + EOS)`` in order, encoding in parallel batches."""
+    index = 0
+    for batch in _chunks(documents, _ENCODE_BATCH_CHARS):
+        for encoding in _encode_batch_as_text(tok, batch):
+            ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
+            ids[:-1] = encoding.ids
+            ids[-1] = eos
+            yield index, ids
+            index += 1
+
+
+def _encode_batch_as_text(tok: Tokenizer, batch: list[str]) -> list[Any]:
+    """Encode so that a literal "<|endoftext|>" in a document is text, not a false boundary."""
+    tok.encode_special_tokens = True
+    try:
+        return tok.encode_batch(batch, add_special_tokens=False)
+    finally:
+        tok.encode_special_tokens = False
+
+
+def _chunks(documents: Iterable[str], max_chars: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class _ShardWriter:
+    """Appends tokens of one split to ``<split>_NNNNN.bin`` files of at most ``shard_tokens``."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.directory, self.split, self.dtype = directory, split, dtype
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._fh: BinaryIO | None = None
+        self._hash = hashlib.sha256()
+        self._count = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        while len(ids):
+            if self._fh is None:
+                self._open()
+            room = self.shard_tokens - self._count
+            part, ids = ids[:room], ids[room:]
+            data = part.tobytes()
+            self._fh.write(data)
+            self._hash.update(data)
+            self._count += len(part)
+            if self._count == self.shard_tokens:
+                self._finish_shard()
+
+    def close(self) -> dict[str, Any]:
+        """Flush the last shard and return this split's manifest entry."""
+        if self._fh is not None:
+            self._finish_shard()
+        return {"tokens": sum(s["tokens"] for s in self.shards), "shards": self.shards}
+
+    def _open(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._fh = open(self.directory / name, "wb")  # closed in _finish_shard
+        self.shards.append({"file": name, "tokens": 0, "sha256": ""})
+        self._hash = hashlib.sha256()
+        self._count = 0
+
+    def _finish_shard(self) -> None:
+        assert self._fh is not None
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        self._fh = None
+        self.shards[-1].update(tokens=self._count, sha256=self._hash.hexdigest())
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, n_docs: int) -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(n_tokens)``, called once per document written."""
+    if not enabled:
+        yield lambda n_tokens: None
+        return
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        docs = bar.add_task("documents", total=n_docs)
+        tokens = bar.add_task("tokens written", total=None)
+
+        def advance(n_tokens: int) -> None:
+            bar.advance(docs)
+            bar.advance(tokens, n_tokens)
+
+        yield advance
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames/creations in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted after."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old / out.name, out)
+        raise
+    finally:
+        _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    """Read ``manifest.json`` of the dataset directory ``path``."""
+    directory = Path(path).expanduser()
+    file = directory / MANIFEST
+    if not file.is_file():
+        raise DataError(
+            f"no prepared dataset at {directory} (manifest.json missing); "
+            f"run `boostlr prepare --input ... --out {directory}` first"
+        )
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"cannot read {file}: {exc}; re-run `boostlr prepare` with --overwrite"
+        ) from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{file} is not a boostlr dataset manifest; re-run `boostlr prepare`")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"{file} has format version {manifest.get('version')}, expected {FORMAT_VERSION}; "
+            "re-run `boostlr prepare` with --overwrite"
+        )
+    return manifest
+
+
+def validate_dataset(path: str | Path, check_checksums: bool = False) -> dict[str, Any]:
+    """Check every file the manifest names exists with the right size (and hash); return it."""
+    directory = Path(path).expanduser()
+    manifest = load_manifest(directory)
+    rebuild = "re-run `boostlr prepare` with --overwrite"
+    try:
+        _validate_files(directory, manifest, check_checksums, rebuild)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{directory / MANIFEST} is malformed ({exc!r}); {rebuild}") from exc
+    return manifest
+
+
+def _validate_files(
+    directory: Path, manifest: dict[str, Any], check_checksums: bool, rebuild: str
+) -> None:
+    if not (directory / manifest["tokenizer_file"]).is_file():
+        raise DataError(f"{directory / manifest['tokenizer_file']} is missing; {rebuild}")
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split in SPLITS:
+        entry = manifest["splits"][split]
+        if sum(s["tokens"] for s in entry["shards"]) != entry["tokens"]:
+            raise DataError(f"{directory}: {split} shard token counts do not add up; {rebuild}")
+        for shard in entry["shards"]:
+            _validate_shard(directory / shard["file"], shard, itemsize, check_checksums, rebuild)
+
+
+def _validate_shard(
+    file: Path, shard: dict[str, Any], itemsize: int, check_checksums: bool, rebuild: str
+) -> None:
+    if not file.is_file():
+        raise DataError(f"shard {file} is missing; {rebuild}")
+    expected = shard["tokens"] * itemsize
+    if file.stat().st_size != expected:
+        raise DataError(
+            f"shard {file} has {file.stat().st_size} bytes, expected {expected}; {rebuild}"
+        )
+    if check_checksums and _sha256(file) != shard["sha256"]:
+        raise DataError(f"shard {file} fails its sha256 checksum (corrupt); {rebuild}")
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """``$BOOSTLR_CACHE`` or ``~/.cache/boostlr``."""
+    return Path(os.environ.get("BOOSTLR_CACHE") or Path.home() / ".cache" / "boostlr").expanduser()
+
+
+def default_dataset(
+    cache_dir: Path | None = None, vocab_size: int = 4096, progress: bool = True
+) -> Path:
+    """Prepare the built-in stdlib corpus once per Python version and vocab; reuse it after."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    out = cache / f"stdlib-py{version}-bpe{vocab_size}"
+    cache.mkdir(parents=True, exist_ok=True)
+    # Several data-parallel ranks may call this at once: only one prepares, the rest reuse.
+    with _file_lock(cache / f".{out.name}.lock"):
+        if not _is_valid(out):
+            prepare_dataset(None, out, f"bpe:{vocab_size}", progress=progress, overwrite=True)
+    return out
+
+
+def _is_valid(path: Path) -> bool:
+    try:
+        validate_dataset(path)
+    except DataError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock (POSIX); a no-op where fcntl is unavailable."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

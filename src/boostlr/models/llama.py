@@ -1,0 +1,233 @@
+"""The LLaMA-2 decoder for every arch (``full``, ``cola``, ``svd``, ``lax``).
+
+Module and parameter names follow HF ``LlamaForCausalLM`` (``embed_tokens``,
+``layers.{i}.self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ``norm``,
+``lm_head``) so export is a renaming of the prefix, never a reshuffle. The math that the
+tensor-parallel strategies share with the single-device model lives in module-level
+functions (:func:`causal_attention`, :func:`mlp_product`, :func:`rope_tables`) so a sharded
+block calls the same code on its slice of heads or of the MLP width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from boostlr.config import ModelConfig
+from boostlr.models.lowrank import (
+    BlockLinear,
+    DenseLinear,
+    LaxLinear,
+    LowRankLinear,
+    normal_init,
+)
+from boostlr.models.norm import RMSNorm
+
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+Latents = dict[str, torch.Tensor]
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(d_in, d_out)`` of each of the seven block linears."""
+    d, kv, f = cfg.dim, cfg.kv_dim, cfg.ffn_dim
+    return {
+        "q_proj": (d, d),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (d, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
+
+
+def make_linear(
+    cfg: ModelConfig, d_in: int, d_out: int, layer: int, device: torch.device | str | None
+) -> BlockLinear:
+    if cfg.arch == "full":
+        return DenseLinear(d_in, d_out, device=device)
+    if cfg.arch == "lax":
+        gate = cfg.lax_gate if layer > 0 else None
+        return LaxLinear(
+            d_in, d_out, cfg.rank, gate, cfg.lax_gate_rank, cfg.norm_eps, device=device
+        )
+    return LowRankLinear(d_in, d_out, cfg.rank, activation=cfg.arch == "cola", device=device)
+
+
+# ----------------------------------------------------------------------------- shared math
+
+
+def rope_tables(
+    cfg: ModelConfig, seq_len: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[seq_len, head_dim]`` in HF's ``rotate_half`` layout (halves, not pairs)."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
+    )
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, heads, s, hd]`` by position."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    head_dim: int,
+) -> torch.Tensor:
+    """Causal GQA attention on ``[b, s, heads*hd]`` projections; head counts come from shapes.
+
+    Tensor-parallel strategies call this with their local slice of heads.
+    """
+    b, s, _ = q.shape
+    q = q.view(b, s, -1, head_dim).transpose(1, 2)
+    k = k.view(b, s, -1, head_dim).transpose(1, 2)
+    v = v.view(b, s, -1, head_dim).transpose(1, 2)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def mlp_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
+    """``silu(g) ⊙ u`` (SwiGLU) or ``g ⊙ u`` (CoLA's low-rank-only MLP: σ sits in the linears)."""
+    return F.silu(gate) * up if form == "swiglu" else gate * up
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        for name, (d_in, d_out) in linear_shapes(cfg).items():
+            if name in ATTN_LINEARS:
+                setattr(self, name, make_linear(cfg, d_in, d_out, layer, device))
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], z_prev: Latents | None
+    ) -> tuple[torch.Tensor, Latents]:
+        z: Latents = {}
+        q, z["q_proj"] = self.q_proj(x, _get(z_prev, "q_proj"))
+        k, z["k_proj"] = self.k_proj(x, _get(z_prev, "k_proj"))
+        v, z["v_proj"] = self.v_proj(x, _get(z_prev, "v_proj"))
+        out = causal_attention(q, k, v, rope, self.head_dim)
+        y, z["o_proj"] = self.o_proj(out, _get(z_prev, "o_proj"))
+        return y, z
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None):
+        super().__init__()
+        self.form = cfg.mlp_form
+        for name, (d_in, d_out) in linear_shapes(cfg).items():
+            if name in MLP_LINEARS:
+                setattr(self, name, make_linear(cfg, d_in, d_out, layer, device))
+
+    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
+        z: Latents = {}
+        g, z["gate_proj"] = self.gate_proj(x, _get(z_prev, "gate_proj"))
+        u, z["up_proj"] = self.up_proj(x, _get(z_prev, "up_proj"))
+        y, z["down_proj"] = self.down_proj(mlp_product(g, u, self.form), _get(z_prev, "down_proj"))
+        return y, z
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.self_attn = Attention(cfg, layer, device)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.mlp = MLP(cfg, layer, device)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], z_prev: Latents | None
+    ) -> tuple[torch.Tensor, Latents]:
+        a, z_attn = self.self_attn(self.input_layernorm(x), rope, z_prev)
+        x = x + a
+        m, z_mlp = self.mlp(self.post_attention_layernorm(x), z_prev)
+        return x + m, {**z_attn, **z_mlp}
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only LM. ``forward(tokens)`` gives logits; with ``targets`` the mean CE loss."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("model vocab_size must be set (from the dataset) before building")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
+        self.layers = nn.ModuleList(Block(cfg, i, device) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_weights(self, seed: int) -> None:
+        """Seeded init drawn on the CPU in a fixed order: independent of device and TP layout."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        normal_init(self.embed_tokens.weight, std, gen)
+        for block in self.layers:
+            for module in (block.input_layernorm, block.post_attention_layernorm):
+                nn.init.ones_(module.weight)
+            for name in ATTN_LINEARS:
+                getattr(block.self_attn, name).init_weights(std, gen)
+            for name in MLP_LINEARS:
+                getattr(block.mlp, name).init_weights(std, gen)
+        nn.init.ones_(self.norm.weight)
+        if not self.cfg.tie_embeddings:
+            normal_init(self.lm_head.weight, std, gen)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
+        z: Latents | None = None
+        for block in self.layers:
+            x, z = block(x, rope, z)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head(self.hidden_states(tokens))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_model(
+    cfg: ModelConfig, seed: int = 0, device: torch.device | str | None = None
+) -> LlamaModel:
+    """Build on ``device``; real devices get the seeded init, ``meta`` stays uninitialised."""
+    if device is not None and torch.device(device).type == "meta":
+        return LlamaModel(cfg, device="meta")
+    model = LlamaModel(cfg, device="cpu")
+    model.init_weights(seed)
+    return model.to(device) if device is not None else model
+
+
+def _get(z: Latents | None, name: str) -> torch.Tensor | None:
+    return None if z is None else z.get(name)

@@ -1,0 +1,153 @@
+"""The seven block linears of every arch behind one interface.
+
+Each linear maps ``(x, z_prev) -> (y, z)``: ``z`` is the latent LaX hands to the same linear of
+the next block (``None`` for the other archs). Low-rank linears expose their two halves
+separately (``down`` = A, ``latent`` = the rank-r nonlinearity, ``up`` = B) because
+Bottleneck-aware TP puts a collective *between* them: it reuses these pieces instead of
+re-implementing the math.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from boostlr.models.norm import RMSNorm
+
+
+def cola_std(d_in: int, d_out: int, rank: int) -> float:
+    """CoLA's factor init: ``randn * r^(-1/4) * (d_in + d_out)^(-1/4)``."""
+    return rank**-0.25 * (d_in + d_out) ** -0.25
+
+
+class DenseLinear(nn.Module):
+    """Full-rank ``W x`` (arch ``full``); parameter named ``weight`` as in HF LLaMA."""
+
+    def __init__(self, d_in: int, d_out: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.d_in, self.d_out = d_in, d_out
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, device=device))
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        normal_init(self.weight, std, generator)
+
+    def forward(
+        self, x: torch.Tensor, z_prev: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
+
+
+class LowRankLinear(nn.Module):
+    """``B σ(A x)`` (CoLA, σ = SiLU) or ``B A x`` (SVD, no activation)."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        rank: int,
+        activation: bool,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.d_in, self.d_out, self.rank = d_in, d_out, rank
+        self.activation = activation
+        self.down = nn.Linear(d_in, rank, bias=False, device=device)  # A: d_in -> r
+        self.up = nn.Linear(rank, d_out, bias=False, device=device)  # B: r -> d_out
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        factor_std = cola_std(self.d_in, self.d_out, self.rank)
+        normal_init(self.down.weight, factor_std, generator)
+        normal_init(self.up.weight, factor_std, generator)
+
+    def latent(
+        self, a: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rank-r nonlinearity applied to ``a = A x``; returns (σ input's image, LaX latent)."""
+        return (F.silu(a) if self.activation else a), None
+
+    def forward(
+        self, x: torch.Tensor, z_prev: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, z = self.latent(self.down(x), z_prev)
+        return self.up(h), z
+
+
+class LatentCrossing(nn.Module):
+    """LaX's ``LN_r(a + G(z_prev))``; block 0 has the norm but no gate ``G``."""
+
+    def __init__(
+        self,
+        rank: int,
+        gate: str | None,
+        gate_rank: int,
+        eps: float,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.norm = RMSNorm(rank, eps, device=device)
+        self.gate_kind = gate
+        if gate == "full":
+            self.gate = nn.Linear(rank, rank, bias=False, device=device)
+        elif gate == "factored":
+            self.gate_down = nn.Linear(rank, gate_rank, bias=False, device=device)
+            self.gate_up = nn.Linear(gate_rank, rank, bias=False, device=device)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        # The gate's output starts at zero, so a fresh LaX model equals CoLA with LN_r; the
+        # factored gate's first half is random so gradients reach both halves.
+        if self.gate_kind == "full":
+            nn.init.zeros_(self.gate.weight)
+        elif self.gate_kind == "factored":
+            r, g = self.gate_down.in_features, self.gate_down.out_features
+            normal_init(self.gate_down.weight, cola_std(r, r, g), generator)
+            nn.init.zeros_(self.gate_up.weight)
+
+    def forward(
+        self, a: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        u = a
+        if self.gate_kind is not None:
+            if z_prev is None:
+                raise ValueError("LaX crossing with a gate needs the previous block's latent")
+            if self.gate_kind == "full":
+                u = u + self.gate(z_prev)
+            else:
+                u = u + self.gate_up(self.gate_down(z_prev))
+        return self.norm(u), u
+
+
+class LaxLinear(LowRankLinear):
+    """``B σ(LN_r(A x + G(z_prev)))``: the latent ``z = A x + G(z_prev)`` crosses blocks."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        rank: int,
+        gate: str | None,
+        gate_rank: int,
+        eps: float,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__(d_in, d_out, rank, activation=True, device=device)
+        self.cross = LatentCrossing(rank, gate, gate_rank, eps, device=device)
+
+    def init_weights(self, std: float, generator: torch.Generator) -> None:
+        super().init_weights(std, generator)
+        self.cross.init_weights(generator)
+
+    def latent(
+        self, a: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, z = self.cross(a, z_prev)
+        return F.silu(normed), z
+
+
+BlockLinear = DenseLinear | LowRankLinear
+
+
+def normal_init(t: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """Draw on the CPU generator, then copy: identical weights on every device and TP layout."""
+    with torch.no_grad():
+        t.copy_(torch.randn(t.shape, generator=generator) * std)

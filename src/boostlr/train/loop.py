@@ -1,0 +1,286 @@
+"""The single-process training loop: data, model, AdamW, checkpoints, metrics.
+
+Everything the run needs to continue bit-for-bit is in the checkpoint (weights, optimizer
+moments, data position, RNG); the learning-rate schedule is a pure function of the step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from boostlr.config import RunConfig, dump_toml, to_dict
+from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
+from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
+from boostlr.models.counting import flops_per_token
+from boostlr.models.llama import LlamaModel, build_model
+from boostlr.train.checkpoint import (
+    Checkpoint,
+    load_model_state,
+    load_trainer_state,
+    newest_checkpoint,
+    save_checkpoint,
+)
+from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
+from boostlr.train.optim import build_optimizer, lr_at, set_lr
+
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    loss: float
+    val_loss: float | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device cuda requested but no CUDA GPU is visible: use cpu")
+    return torch.device(name)
+
+
+def open_datasets(cfg: RunConfig) -> tuple[TokenDataset, TokenDataset]:
+    """Load (or, for the default corpus, prepare once) the train and val splits."""
+    path = cfg.data.path or default_dataset(vocab_size=cfg.data.default_vocab)
+    return TokenDataset(path, "train"), TokenDataset(path, "val")
+
+
+def bind_vocab(cfg: RunConfig, dataset: TokenDataset) -> None:
+    """Take the vocabulary from the tokenizer unless the config sets a (large enough) one."""
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = dataset.vocab_size
+    elif cfg.model.vocab_size < dataset.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
+            f"({dataset.vocab_size}): leave model.vocab_size at 0 to take it from the data"
+        )
+
+
+def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = True) -> TrainResult:
+    """Run (or continue) training into ``run_dir``; see README for the run-directory contract."""
+    device = resolve_device(cfg.parallel.device)
+    train_ds, val_ds = open_datasets(cfg)
+    bind_vocab(cfg, train_ds)
+    loader = BatchLoader(train_ds, cfg.train.batch_size, cfg.data.seq_len, seed=cfg.train.seed)
+    val_data = val_batches(val_ds, cfg.train.batch_size, cfg.data.seq_len, cfg.data.val_batches)
+
+    ckpt = _prepare_run_dir(cfg, run_dir, resume, train_ds)
+    torch.manual_seed(cfg.train.seed)
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    model = build_model(cfg.model, seed=cfg.train.seed, device=device)
+    optimizer = build_optimizer(model, cfg.train)
+    start_step = 0
+    if ckpt is not None:
+        start_step = _restore(ckpt, model, optimizer, loader)
+        truncate_after(run_dir / METRICS_FILE, start_step)
+
+    return _run(cfg, run_dir, model, optimizer, loader, val_data, device, start_step, console)
+
+
+def _prepare_run_dir(
+    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset
+) -> Checkpoint | None:
+    """Check the run directory before writing anything; returns the checkpoint to resume."""
+    config_path = run_dir / CONFIG_FILE
+    if resume:
+        ckpt = newest_checkpoint(run_dir / "checkpoints")
+        if ckpt is None:
+            raise CheckpointError(
+                f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
+                "--resume (or point --run-dir at the run to continue)"
+            )
+        saved_model = ckpt.meta.get("config", {}).get("model")
+        if saved_model != to_dict(cfg)["model"]:
+            raise CheckpointError(
+                f"--resume: the model config differs from the one saved in {ckpt.path}: "
+                "drop the --model.* overrides when resuming"
+            )
+        _write_atomic(config_path, dump_toml(cfg))
+        return ckpt
+    if config_path.exists():
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run: pass --resume to continue it "
+            "or choose a new --run-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
+    _write_atomic(config_path, dump_toml(cfg))
+    return None
+
+
+def _restore(
+    ckpt: Checkpoint, model: LlamaModel, optimizer: torch.optim.Optimizer, loader: BatchLoader
+) -> int:
+    state = load_model_state(ckpt)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied_only = missing == ["lm_head.weight"] and model.cfg.tie_embeddings
+    if unexpected or (missing and not tied_only):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}): resume with the run's own config"
+        )
+    trainer = load_trainer_state(ckpt)
+    optimizer.load_state_dict(trainer["optimizer"])
+    loader.load_state_dict(trainer["loader"])
+    torch.set_rng_state(trainer["rng"]["cpu"])
+    if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
+    return ckpt.step
+
+
+def _run(
+    cfg: RunConfig,
+    run_dir: Path,
+    model: LlamaModel,
+    optimizer: torch.optim.Optimizer,
+    loader: BatchLoader,
+    val_data: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    start_step: int,
+    console: bool,
+) -> TrainResult:
+    t = cfg.train
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if t.dtype == "bfloat16"
+        else nullcontext()
+    )
+    metrics = MetricsLog(run_dir / METRICS_FILE)
+    progress = ConsoleProgress(t.steps, start_step, enabled=console)
+    if start_step:
+        progress.print(f"resumed {run_dir} at step {start_step}")
+    last_ckpt: Path | None = None
+    loss_value, val_loss = float("nan"), None
+    window_time, window_steps = 0.0, 0
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            started = time.perf_counter()
+            lr = lr_at(step - 1, t)
+            set_lr(optimizer, lr)
+            optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros((), device=device)
+            for _ in range(t.grad_accum):
+                inputs, targets = (x.to(device) for x in next(loader))
+                with autocast:
+                    loss = model(inputs, targets)
+                (loss / t.grad_accum).backward()
+                total += loss.detach()
+            loss_value = total.item() / t.grad_accum
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), _clip(t)))
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                kept = str(last_ckpt or newest_checkpoint(run_dir / "checkpoints") or "none")
+                raise TrainingDiverged(
+                    f"loss {loss_value} / grad norm {grad_norm} at step {step} is not finite: "
+                    f"stopped without saving (last good checkpoint: {kept}); lower --train.lr "
+                    "or use --train.dtype float32, then --resume"
+                )
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            window_time += time.perf_counter() - started
+            window_steps += 1
+
+            row = None
+            if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
+                step_time = window_time / window_steps
+                row = {
+                    "step": step,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / step_time,
+                    "step_time_s": step_time,
+                    "tokens": step * tokens_per_step,
+                    "flops_per_s": flops_tok * tokens_per_step / step_time,
+                }
+                metrics.write(row)
+                window_time, window_steps = 0.0, 0
+            if step % t.eval_every == 0 or step == t.steps:
+                val_loss = evaluate(model, val_data, device, autocast)
+                metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                progress.print(
+                    f"step {step:>6}  val_loss {val_loss:.4f}  ppl {math.exp(val_loss):.1f}"
+                )
+            if step % t.ckpt_every == 0 or step == t.steps:
+                last_ckpt = _save(cfg, run_dir, step, model, optimizer, loader)
+            progress.update(step, row)
+    finally:
+        progress.close()
+        metrics.close()
+    if val_loss is not None:
+        progress.print(
+            f"done: step {t.steps}, loss {loss_value:.4f}, val_loss {val_loss:.4f}, run {run_dir}"
+        )
+    return TrainResult(run_dir, t.steps, loss_value, val_loss)
+
+
+@torch.no_grad()
+def evaluate(
+    model: LlamaModel,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    autocast,
+) -> float:
+    model.eval()
+    losses = []
+    for inputs, targets in batches:
+        with autocast:
+            losses.append(model(inputs.to(device), targets.to(device)).float().item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _save(
+    cfg: RunConfig,
+    run_dir: Path,
+    step: int,
+    model: LlamaModel,
+    optimizer: torch.optim.Optimizer,
+    loader: BatchLoader,
+) -> Path:
+    state = model.state_dict()
+    if cfg.model.tie_embeddings:
+        state.pop("lm_head.weight")  # shared with embed_tokens; safetensors stores it once
+    trainer = {
+        "optimizer": optimizer.state_dict(),
+        "loader": loader.state_dict(),
+        "rng": {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        },
+    }
+    return save_checkpoint(
+        run_dir / "checkpoints",
+        step,
+        state,
+        trainer,
+        meta={"config": to_dict(cfg)},
+        extra_files={TOKENIZER_FILE: run_dir / TOKENIZER_FILE},
+        keep=cfg.train.keep_checkpoints,
+    )
+
+
+def _clip(t) -> float:
+    return t.grad_clip if t.grad_clip > 0 else float("inf")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,99 @@
+"""``metrics.jsonl`` writing and the rank-0 console progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+class MetricsLog:
+    """Append-only JSON lines, flushed per row so a crash loses nothing already logged."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(_finite_or_str(row)) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop rows logged after ``step`` (a resumed run re-does those steps), atomically."""
+    if not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _finite_or_str(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/inf; keep such values readable as strings instead of invalid JSON."""
+    return {
+        k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()
+    }
+
+
+class ConsoleProgress:
+    """A rich progress bar on a terminal; plain log lines when output is piped (CI, files)."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
+        self.console = Console(stderr=False)
+        self.enabled = enabled
+        self.interactive = enabled and self.console.is_terminal
+        self._progress: Progress | None = None
+        if self.interactive:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=start_step, stats=""
+            )
+            self._progress.start()
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message, highlight=False)
+
+    def update(self, step: int, row: dict[str, Any] | None) -> None:
+        stats = None
+        if row is not None:
+            stats = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s"
+        if self._progress is not None:
+            kwargs = {"completed": step}
+            if stats:
+                kwargs["stats"] = stats
+            self._progress.update(self._task, **kwargs)
+        elif self.enabled and stats:
+            self.console.print(f"step {step:>6}  {stats}", highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,46 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from boostlr.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices (linears, embeddings); none on norm gains, as in LLaMA."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # fused kernels missing for this device/dtype
+        return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio*lr``.
+
+    ``step`` counts optimizer steps from 0; the schedule is a pure function of it, so resuming
+    needs no scheduler state.
+    """
+    if cfg.warmup > 0 and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
