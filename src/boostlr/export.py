@@ -1,0 +1,215 @@
+"""Export checkpoints as Hugging Face LLaMA directories, and load models back for inference.
+
+Our module names already match HF ``LlamaForCausalLM`` minus its ``model.`` prefix, so export
+is a pure renaming. An export directory holds ``model.safetensors`` (HF names),
+``config.json`` (an HF LLaMA config plus a ``"boostlr"`` section with our model config) and
+``tokenizer.json``. Only ``arch = "full"`` loads into ``transformers``; the low-rank archs
+keep HF naming for their factors (``q_proj.down.weight`` / ``q_proj.up.weight``) and are
+loaded back with :func:`load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
+from boostlr.data.tokenizer import eos_id, load_tokenizer
+from boostlr.errors import BoostlrError, CheckpointError
+from boostlr.models.llama import LlamaModel, build_model
+from boostlr.train.checkpoint import META_FILE, MODEL_FILE, open_checkpoint
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+LM_HEAD = "lm_head.weight"
+HF_PREFIX = "model."
+
+
+def hf_state_dict(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names -> HF LLaMA names: everything but ``lm_head.weight`` moves under ``model.``."""
+    return {(k if k == LM_HEAD else HF_PREFIX + k): v for k, v in model_state.items()}
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_state_dict`."""
+    out = {}
+    for name, tensor in hf_state.items():
+        if name == LM_HEAD:
+            out[name] = tensor
+        elif name.startswith(HF_PREFIX):
+            out[name.removeprefix(HF_PREFIX)] = tensor
+        else:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the export: re-export the checkpoint with "
+                "boostlr export"
+            )
+    return out
+
+
+def hf_config(model_cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+    """HF ``config.json`` for ``model_cfg``, plus our config under ``"boostlr"``.
+
+    The HF fields describe the model only for ``arch = "full"``, the one arch that loads into
+    ``transformers.LlamaForCausalLM``; for the low-rank archs the ``"boostlr"`` section is
+    what :func:`load_pretrained` rebuilds the model from.
+    """
+    m = model_cfg
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.dim,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "max_position_embeddings": m.max_seq_len,
+        "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        # HF's defaults (bos 1, eos 2) are wrong for our tokenizers; documents end with EOS only.
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "boostlr": _model_dict(m),
+    }
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+    """Write an HF-style export of ``checkpoint`` (step or run dir) to ``out_dir``, atomically.
+
+    An existing ``out_dir`` is replaced only if empty or an earlier export, so a typo cannot
+    wipe unrelated files.
+    """
+    ckpt = open_checkpoint(Path(checkpoint))
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
+    cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
+    tokenizer_src = ckpt.path / TOKENIZER_FILE
+    if not tokenizer_src.is_file():
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} has no {TOKENIZER_FILE}: export a checkpoint written by "
+            "boostlr train"
+        )
+    model_state = load_file(ckpt.path / MODEL_FILE)
+    if cfg.tie_embeddings:
+        model_state.pop(LM_HEAD, None)  # HF ties lm_head to embed_tokens itself
+    tensors = {k: v.contiguous() for k, v in hf_state_dict(model_state).items()}
+    config = hf_config(cfg, eos_token_id=eos_id(load_tokenizer(tokenizer_src)))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, tmp / MODEL_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[LlamaModel, Tokenizer]:
+    """Model (eval mode) and tokenizer from a checkpoint (step or run dir) or an export dir."""
+    path = Path(path)
+    if _is_export(path):
+        config = json.loads((path / CONFIG_FILE).read_text())
+        cfg = _model_config(config["boostlr"], path / CONFIG_FILE)
+        state = from_hf_state_dict(load_file(path / MODEL_FILE))
+        source = path
+    elif (path / META_FILE).is_file() or (path / "checkpoints").is_dir():
+        ckpt = open_checkpoint(path)
+        cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
+        state = load_file(ckpt.path / MODEL_FILE)
+        source = ckpt.path
+    else:
+        raise BoostlrError(
+            f"{path} is neither a checkpoint nor an export: pass runs/<run>, "
+            "runs/<run>/checkpoints/step_N, or a directory written by boostlr export"
+        )
+    model = build_model(cfg, device="meta")
+    if cfg.tie_embeddings:
+        state.pop(LM_HEAD, None)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise CheckpointError(
+            f"weights in {source} do not fit its config ({first}): re-export or use another "
+            "checkpoint"
+        ) from None
+    if cfg.tie_embeddings:
+        missing = [k for k in missing if k != LM_HEAD]
+        model.lm_head.weight = model.embed_tokens.weight
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights in {source} do not match its config (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}): re-export or use another checkpoint"
+        )
+    tokenizer = load_tokenizer(source / TOKENIZER_FILE)
+    return model.to(device).eval(), tokenizer
+
+
+def _model_dict(model_cfg: ModelConfig) -> dict[str, Any]:
+    """``to_dict``-style model section (``None`` dropped), via a throwaway RunConfig."""
+    return to_dict(RunConfig(model=model_cfg))["model"]
+
+
+def _model_config(data: Any, source: Path) -> ModelConfig:
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source} has no model config: re-export or re-save it")
+    return model_config_from_dict(data)
+
+
+def _checkpoint_model_config(meta: dict[str, Any], source: Path) -> ModelConfig:
+    return _model_config(meta.get("config", {}).get("model"), source / META_FILE)
+
+
+def _is_export(path: Path) -> bool:
+    """An export dir: ``config.json`` with a ``"boostlr"`` section, next to the weights."""
+    if not (path / CONFIG_FILE).is_file() or not (path / MODEL_FILE).is_file():
+        return False
+    try:
+        return "boostlr" in json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise BoostlrError(f"--out {out_dir} is a file: pass a new directory for --out")
+    if any(out_dir.iterdir()) and not _is_export(out_dir):
+        raise BoostlrError(
+            f"--out {out_dir} is not empty and not an earlier export: pass a new --out directory"
+        )
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move ``new`` into ``target``'s place; an existing ``target`` is removed only after."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rename(target, old / target.name)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old / target.name, target)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

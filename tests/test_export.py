@@ -1,0 +1,289 @@
+"""HF export, loading back, and text generation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from boostlr.config import RunConfig, build_config, model_config_from_dict, to_dict
+from boostlr.data.tokenizer import eos_id, train_bpe
+from boostlr.errors import BoostlrError
+from boostlr.export import (
+    export_checkpoint,
+    from_hf_state_dict,
+    hf_config,
+    hf_state_dict,
+    load_pretrained,
+)
+from boostlr.generate import generate
+from boostlr.models.llama import LlamaModel, build_model
+from boostlr.train.checkpoint import save_checkpoint
+
+VOCAB = 320
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    words = WORDS.split()
+    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(30)) for i in range(50)]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe(docs, VOCAB).save(str(path))
+    return path
+
+
+def _run_config(arch: str, *overrides: tuple[str, str]) -> RunConfig:
+    cfg = build_config(overrides=[("model.preset", "tiny"), ("model.arch", arch), *overrides])
+    cfg.model.vocab_size = VOCAB
+    return cfg
+
+
+def _model(cfg: RunConfig, seed: int = 0) -> LlamaModel:
+    """A tiny model with every parameter perturbed, so norms and zero-init LaX gates matter."""
+    model = build_model(cfg.model, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def _checkpoint(root: Path, cfg: RunConfig, model: LlamaModel, tokenizer_file: Path) -> Path:
+    """A checkpoint laid out as the trainer writes it (tied ``lm_head`` not stored)."""
+    state = model.state_dict()
+    if cfg.model.tie_embeddings:
+        state.pop("lm_head.weight")
+    return save_checkpoint(
+        root / "checkpoints",
+        5,
+        state,
+        trainer_state={},
+        meta={"config": {"model": to_dict(cfg)["model"]}},
+        extra_files={"tokenizer.json": tokenizer_file},
+    )
+
+
+def _tokens(n: int = 24) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [("model.n_heads", "4"), ("model.n_kv_heads", "2")],
+        [("model.n_heads", "4"), ("model.n_kv_heads", "2"), ("model.tie_embeddings", "true")],
+    ],
+    ids=["mha", "gqa", "gqa-tied"],
+)
+def test_full_export_matches_transformers(
+    tmp_path: Path, tokenizer_file: Path, overrides: list[tuple[str, str]]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    # A non-default theta catches a config.json field that transformers silently ignores.
+    cfg = _run_config("full", ("model.rope_theta", "500000"), *overrides)
+    model = _model(cfg)
+    ckpt = _checkpoint(tmp_path / "run", cfg, model, tokenizer_file)
+    out = export_checkpoint(ckpt, tmp_path / "export")
+
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    hf.eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf(input_ids=tokens).logits
+    assert theirs.dtype == torch.float32
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("cola", []),
+        ("svd", [("model.n_kv_heads", "2")]),
+        ("lax", []),
+        ("lax", [("model.lax_gate", "full"), ("model.tie_embeddings", "true")]),
+    ],
+    ids=["cola", "svd-gqa", "lax-factored", "lax-full-tied"],
+)
+def test_lowrank_export_names_shapes_and_round_trip(
+    tmp_path: Path, tokenizer_file: Path, arch: str, overrides: list[tuple[str, str]]
+) -> None:
+    cfg = _run_config(arch, *overrides)
+    m = cfg.model
+    model = _model(cfg)
+    ckpt = _checkpoint(tmp_path / "run", cfg, model, tokenizer_file)
+    out = export_checkpoint(tmp_path / "run", tmp_path / "export")  # a run dir works too
+
+    tensors = load_file(out / "model.safetensors")
+    r, d, kv, f = m.rank, m.dim, m.kv_dim, m.ffn_dim
+    expected = {
+        "model.embed_tokens.weight": (VOCAB, d),
+        "model.norm.weight": (d,),
+        "model.layers.0.input_layernorm.weight": (d,),
+        "model.layers.0.post_attention_layernorm.weight": (d,),
+        "model.layers.0.self_attn.q_proj.down.weight": (r, d),
+        "model.layers.0.self_attn.q_proj.up.weight": (d, r),
+        "model.layers.1.self_attn.k_proj.up.weight": (kv, r),
+        "model.layers.1.mlp.down_proj.down.weight": (r, f),
+        "model.layers.1.mlp.gate_proj.up.weight": (f, r),
+    }
+    if arch == "lax":
+        g = m.lax_gate_rank
+        expected["model.layers.0.self_attn.q_proj.cross.norm.weight"] = (r,)
+        if m.lax_gate == "factored":
+            expected["model.layers.1.mlp.up_proj.cross.gate_down.weight"] = (g, r)
+            expected["model.layers.1.mlp.up_proj.cross.gate_up.weight"] = (r, g)
+        else:
+            expected["model.layers.1.mlp.up_proj.cross.gate.weight"] = (r, r)
+        assert not any(k.startswith("model.layers.0.") and ".cross.gate" in k for k in tensors)
+    else:
+        assert not any(".cross." in k for k in tensors)
+    for name, shape in expected.items():
+        assert tuple(tensors[name].shape) == shape, name
+    assert ("lm_head.weight" in tensors) == (not m.tie_embeddings)
+    assert not any(k.endswith("_proj.weight") for k in tensors)  # no dense linears
+
+    config = json.loads((out / "config.json").read_text())
+    assert model_config_from_dict(config["boostlr"]) == m
+    assert config["eos_token_id"] == 0
+
+    tokens = _tokens()
+    with torch.no_grad():
+        expected_logits = model(tokens)
+        for source in (out, ckpt, tmp_path / "run"):
+            loaded, tokenizer = load_pretrained(source)
+            assert not loaded.training
+            assert torch.equal(loaded(tokens), expected_logits)
+            if m.tie_embeddings:
+                assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert tokenizer.get_vocab_size() <= VOCAB
+
+
+def test_state_dict_renaming_is_invertible() -> None:
+    state = {
+        "embed_tokens.weight": torch.zeros(1),
+        "layers.0.self_attn.q_proj.down.weight": torch.zeros(1),
+        "norm.weight": torch.zeros(1),
+        "lm_head.weight": torch.zeros(1),
+    }
+    hf = hf_state_dict(state)
+    assert sorted(hf) == [
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.down.weight",
+        "model.norm.weight",
+    ]
+    assert from_hf_state_dict(hf) == state
+    with pytest.raises(BoostlrError):
+        from_hf_state_dict({"transformer.wte.weight": torch.zeros(1)})
+
+
+def test_hf_config_fields() -> None:
+    m = _run_config("full", ("model.n_heads", "4"), ("model.n_kv_heads", "2")).model
+    config = hf_config(m)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (
+        m.dim,
+        2,
+        m.dim // 4,
+    )
+    assert config["boostlr"]["arch"] == "full"
+    json.dumps(config)
+
+
+def test_export_refuses_foreign_dir_and_replaces_earlier_export(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    cfg = _run_config("cola")
+    ckpt = _checkpoint(tmp_path / "run", cfg, _model(cfg), tokenizer_file)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(BoostlrError, match="--out"):
+        export_checkpoint(ckpt, foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+    out = tmp_path / "nested" / "export"
+    export_checkpoint(ckpt, out)
+    cfg2 = _run_config("cola")
+    ckpt2 = _checkpoint(tmp_path / "run2", cfg2, _model(cfg2, seed=7), tokenizer_file)
+    export_checkpoint(ckpt2, out)  # over an earlier export: allowed
+    assert torch.equal(
+        load_file(out / "model.safetensors")["model.embed_tokens.weight"],
+        load_file(ckpt2 / "model.safetensors")["embed_tokens.weight"],
+    )
+    assert sorted(p.name for p in out.parent.iterdir()) == ["export"]  # no temp dirs left
+
+
+def test_load_pretrained_rejects_other_dirs(tmp_path: Path) -> None:
+    with pytest.raises(BoostlrError, match="neither a checkpoint nor an export"):
+        load_pretrained(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory, tokenizer_file: Path):
+    cfg = _run_config("cola")
+    root = tmp_path_factory.mktemp("gen")
+    _checkpoint(root / "run", cfg, _model(cfg), tokenizer_file)
+    return load_pretrained(root / "run")
+
+
+def test_greedy_generation_matches_manual_argmax(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    prompt = "alpha beta gamma"
+    ids = tokenizer.encode(prompt).ids
+    with torch.no_grad():
+        for _ in range(6):
+            next_id = int(model(torch.tensor([ids]))[0, -1].argmax())
+            ids.append(next_id)
+            if next_id == eos_id(tokenizer):
+                break
+    text = generate(model, tokenizer, prompt, max_new_tokens=6, temperature=0)
+    assert text == tokenizer.decode(ids)
+    assert text.startswith(prompt)
+    assert generate(model, tokenizer, prompt, max_new_tokens=6, temperature=0, seed=9) == text
+
+
+def test_sampling_is_reproducible_per_seed(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    runs = [
+        generate(model, tokenizer, "delta", max_new_tokens=12, temperature=1.5, seed=s)
+        for s in (1, 1, 2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0].startswith("delta")
+    full_vocab = generate(model, tokenizer, "delta", max_new_tokens=4, top_k=None, seed=1)
+    assert full_vocab == generate(model, tokenizer, "delta", max_new_tokens=4, top_k=None, seed=1)
+
+
+def test_generation_truncates_context(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    model.cfg.max_seq_len, saved = 4, model.cfg.max_seq_len
+    try:
+        text = generate(model, tokenizer, WORDS, max_new_tokens=5, temperature=0)
+    finally:
+        model.cfg.max_seq_len = saved
+    assert text.startswith(WORDS)
+
+
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"prompt": ""}, "--prompt"),
+        ({"temperature": -0.1}, "--temperature"),
+        ({"temperature": float("nan")}, "--temperature"),
+        ({"top_k": 0}, "--top-k"),
+        ({"max_new_tokens": 0}, "--max-new-tokens"),
+    ],
+)
+def test_generate_rejects_bad_arguments(tiny_lm, kwargs: dict, flag: str) -> None:
+    model, tokenizer = tiny_lm
+    args = {"prompt": "alpha", **kwargs}
+    with pytest.raises(BoostlrError, match=flag):
+        generate(model, tokenizer, **args)

@@ -1,0 +1,179 @@
+"""Single-process trainer: run-directory contract, bitwise resume, atomic saves, divergence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from boostlr.config import RunConfig, build_config
+from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
+from boostlr.train import checkpoint as ckpt_module
+from boostlr.train import loop
+from boostlr.train.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
+
+
+def tiny_run_config(data: Path, **overrides: object) -> RunConfig:
+    base = {
+        "model.preset": "tiny",
+        "model.arch": "cola",
+        "data.path": str(data),
+        "data.seq_len": 32,
+        "data.val_batches": 2,
+        "train.batch_size": 4,
+        "train.steps": 6,
+        "train.warmup": 2,
+        "train.log_every": 1,
+        "train.eval_every": 3,
+        "train.ckpt_every": 3,
+        "parallel.device": "cpu",
+    }
+    base.update({k: v for k, v in overrides.items()})
+    return build_config(overrides=[(k, str(v)) for k, v in base.items()])
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}
+
+
+def test_run_directory_contract(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    result = loop.train(tiny_run_config(small_dataset), run, console=False)
+    assert (run / "config.toml").is_file() and (run / "tokenizer.json").is_file()
+    rows = read_rows(run)
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert all(key in r for r in steps), key
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3, 6]
+    assert result.step == 6 and result.val_loss is not None
+    saved = build_config(run / "config.toml")
+    assert saved.model.vocab_size == 512 and saved.model.dim == 64
+
+
+def test_resume_is_bitwise_identical(small_dataset: Path, tmp_path: Path) -> None:
+    cfg = tiny_run_config(small_dataset, **{"train.grad_accum": 2})
+    straight = tmp_path / "straight"
+    loop.train(cfg, straight, console=False)
+
+    interrupted = tmp_path / "interrupted"
+    loop.train(tiny_run_config(small_dataset, **{"train.grad_accum": 2}), interrupted, console=False)
+    # A run killed between step 3 and 6: the step-6 checkpoint never happened.
+    shutil.rmtree(interrupted / "checkpoints" / "step_6")
+    resumed_cfg = build_config(interrupted / "config.toml")
+    loop.train(resumed_cfg, interrupted, resume=True, console=False)
+
+    expected, got = train_rows(straight), train_rows(interrupted)
+    assert list(got) == [1, 2, 3, 4, 5, 6]  # rows after the checkpoint were re-logged once
+    for step in (4, 5, 6):
+        assert got[step] == expected[step], step  # bitwise, not approximately
+    a = open_checkpoint(straight / "checkpoints" / "step_6")
+    b = open_checkpoint(interrupted / "checkpoints" / "step_6")
+    sa, sb = ckpt_module.load_model_state(a), ckpt_module.load_model_state(b)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_interrupted_save_keeps_previous_checkpoint(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    cfg = tiny_run_config(small_dataset)
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def crash_on_second_save(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            real_save(obj, path, *args, **kwargs)
+            raise OSError("disk full (simulated)")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.torch, "save", crash_on_second_save)
+    with pytest.raises(OSError, match="simulated"):
+        loop.train(cfg, run, console=False)
+    monkeypatch.undo()
+    assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    # A hard kill leaves a temp dir and maybe a step dir without meta: both are ignored.
+    (run / "checkpoints" / ".tmp-step_6-abc").mkdir()
+    partial = run / "checkpoints" / "step_6"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    assert newest_checkpoint(run / "checkpoints").step == 3
+    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3, 6]
+
+
+def test_corrupted_checkpoint_is_rejected(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    loop.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
+    model_file = run / "checkpoints" / "step_3" / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        open_checkpoint(run / "checkpoints" / "step_3")
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_build = loop.build_model
+
+    def poisoned_build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        real_forward = model.forward
+        count = {"n": 0}
+
+        def forward(tokens, targets=None):
+            loss = real_forward(tokens, targets)
+            if model.training:
+                count["n"] += 1
+                if count["n"] == 5:
+                    return loss * float("nan")
+            return loss
+
+        model.forward = forward
+        return model
+
+    monkeypatch.setattr(loop, "build_model", poisoned_build)
+    run = tmp_path / "run"
+    with pytest.raises(TrainingDiverged, match="step 5 is not finite") as info:
+        loop.train(tiny_run_config(small_dataset), run, console=False)
+    assert "step_3" in str(info.value)
+    assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3]
+
+
+def test_run_dir_guards(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = tiny_run_config(small_dataset, **{"train.steps": 3})
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        loop.train(cfg, run, resume=True, console=False)
+    loop.train(cfg, run, console=False)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        loop.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
+    other = tiny_run_config(small_dataset, **{"train.steps": 3, "model.rank": 8})
+    with pytest.raises(CheckpointError, match="model config differs"):
+        loop.train(other, run, resume=True, console=False)
+
+
+def test_bfloat16_autocast_trains(small_dataset: Path, tmp_path: Path) -> None:
+    cfg = tiny_run_config(small_dataset, **{"train.dtype": "bfloat16", "train.steps": 3})
+    result = loop.train(cfg, tmp_path / "bf16", console=False)
+    assert torch.isfinite(torch.tensor(result.loss))
+
+
+def test_vocab_too_small_is_rejected(small_dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="smaller than the dataset's tokenizer"):
+        loop.train(
+            tiny_run_config(small_dataset, **{"model.vocab_size": 100}), tmp_path / "r", console=False
+        )
+    assert not (tmp_path / "r").exists()
