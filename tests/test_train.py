@@ -65,7 +65,9 @@ def test_resume_is_bitwise_identical(small_dataset: Path, tmp_path: Path) -> Non
     loop.train(cfg, straight, console=False)
 
     interrupted = tmp_path / "interrupted"
-    loop.train(tiny_run_config(small_dataset, **{"train.grad_accum": 2}), interrupted, console=False)
+    loop.train(
+        tiny_run_config(small_dataset, **{"train.grad_accum": 2}), interrupted, console=False
+    )
     # A run killed between step 3 and 6: the step-6 checkpoint never happened.
     shutil.rmtree(interrupted / "checkpoints" / "step_6")
     resumed_cfg = build_config(interrupted / "config.toml")
@@ -174,6 +176,8 @@ def test_bfloat16_autocast_trains(small_dataset: Path, tmp_path: Path) -> None:
 def test_vocab_too_small_is_rejected(small_dataset: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="smaller than the dataset's tokenizer"):
         loop.train(
-            tiny_run_config(small_dataset, **{"model.vocab_size": 100}), tmp_path / "r", console=False
+            tiny_run_config(small_dataset, **{"model.vocab_size": 100}),
+            tmp_path / "r",
+            console=False,
         )
     assert not (tmp_path / "r").exists()
