@@ -1,0 +1,135 @@
+"""The ``boostlr`` command line as a user runs it: exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from boostlr.cli import main, split_overrides
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tiny_args(data: Path, run: Path, steps: int = 2) -> list[str]:
+    return [
+        "train",
+        "--run-dir",
+        str(run),
+        "--quiet",
+        "--model.preset",
+        "tiny",
+        "--data.path",
+        str(data),
+        "--data.seq_len",
+        "32",
+        "--train.batch_size",
+        "2",
+        f"--train.steps={steps}",
+        "--parallel.device",
+        "cpu",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--model.arch", "dense"], "model.arch 'dense' is not one of"),
+        (["train", "--model.nope", "1"], "unknown config key 'model.nope'"),
+        (["train", "--train.steps", "x"], "train.steps: expected int"),
+        (["train", "missing.toml"], "does not exist"),
+        (["train", "--resume"], "--resume needs --run-dir"),
+        (["train", "--data.path", "/nonexistent/ds"], "/nonexistent/ds"),
+        (["export", "/nonexistent/ckpt", "--out", "/tmp/x"], "not a checkpoint"),
+        (["prepare", "--input", "/nonexistent/in", "--out", "/tmp/x"], "/nonexistent/in"),
+        (["generate", "/nonexistent/p", "--prompt", "x"], "/nonexistent/p"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run_cli(args, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("boostlr: error:") and message in lines[0]
+
+
+def test_split_overrides_keeps_paths_with_dots() -> None:
+    rest, overrides = split_overrides(["train", "a.toml", "--run-dir", "r.x", "--model.rank=4"])
+    assert rest == ["train", "a.toml", "--run-dir", "r.x"] and overrides == ["--model.rank=4"]
+
+
+def test_train_export_generate_round_trip(
+    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    assert run_cli(tiny_args(small_dataset, run), capsys)[0] == 0
+    assert run_cli(tiny_args(small_dataset, run), capsys)[0] == 2  # run dir already used
+    code, _, _ = run_cli(
+        ["train", "--run-dir", str(run), "--resume", "--quiet", "--train.steps", "3"], capsys
+    )
+    assert code == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 3
+    export = tmp_path / "export"
+    assert run_cli(["export", str(run), "--out", str(export)], capsys)[0] == 0
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {
+        p.name for p in export.iterdir()
+    }
+    code, out, _ = run_cli(
+        [
+            "generate",
+            str(export),
+            "--prompt",
+            "def ",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+        ],
+        capsys,
+    )
+    assert code == 0 and out.startswith("def ")
+
+
+def test_console_script_prepare(tmp_path: Path) -> None:
+    src = tmp_path / "text"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world, " * 200)
+    (src / "b.md").write_text("# title\nsome markdown text " * 100)
+    out = tmp_path / "ds"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boostlr.cli",
+            "prepare",
+            "--input",
+            str(src),
+            "--out",
+            str(out),
+            "--tokenizer",
+            "bpe:300",
+            "--val-fraction",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "manifest.json").is_file() and "train" in proc.stdout
+    again = subprocess.run(
+        [sys.executable, "-m", "boostlr.cli", "prepare", "--input", str(src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 2 and "--overwrite" in again.stderr
