@@ -1,0 +1,124 @@
+"""Single-process training throughput and peak memory: full vs cola vs svd vs lax.
+
+Each arch trains in its own fresh process (so peak memory is not polluted by the previous
+arch) on the same random tokens; rounds are interleaved (full, cola, svd, lax, full, ...) so
+machine noise hits every arch alike. Prints one table with ratios to ``full``.
+
+    python benchmarks/single_process.py                 # 60M preset, seq 128, batch 4
+    python benchmarks/single_process.py --preset 130M --device cuda --seq-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import platform
+import resource
+import statistics
+import time
+
+ARCHS = ("full", "cola", "svd", "lax")
+
+
+def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
+    import torch
+
+    from boostlr.config import build_config
+    from boostlr.models.counting import count_params, flops_per_token
+    from boostlr.models.llama import build_model
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = build_config(overrides=[("model.preset", args.preset), ("model.arch", arch)]).model
+    cfg.vocab_size = args.vocab
+    baseline_rss = _peak_rss_mb()
+    model = build_model(cfg, seed=0, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        loss = model(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    step_time = statistics.median(times)
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = _peak_rss_mb() - baseline_rss
+    tokens_per_step = args.batch_size * args.seq_len
+    out.put(
+        {
+            "arch": arch,
+            "params": count_params(cfg).total,
+            "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "peak_mb": peak_mb,
+            "flops_per_s": flops_per_token(cfg, args.seq_len) * tokens_per_step / step_time,
+            "loss": float(loss),
+        }
+    )
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="60M")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions per arch")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    ctx = mp.get_context("spawn")
+    results: dict[str, list[dict]] = {arch: [] for arch in ARCHS}
+    for _ in range(args.rounds):
+        for arch in ARCHS:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_measure, args=(arch, args, queue))
+            proc.start()
+            results[arch].append(queue.get(timeout=1800))
+            proc.join()
+
+    cpu = platform.processor() or platform.machine()
+    print(
+        f"# single_process: preset {args.preset}, seq {args.seq_len}, batch {args.batch_size}, "
+        f"vocab {args.vocab}, {args.steps} timed steps x {args.rounds} rounds, "
+        f"device {args.device}, threads {args.threads}, {cpu}"
+    )
+    best = {arch: max(rows, key=lambda r: r["tokens_per_s"]) for arch, rows in results.items()}
+    ref = best["full"]
+    header = (
+        f"{'arch':<6} {'params':>12} {'tokens/s':>10} {'step s':>8} {'GFLOP/s':>8} "
+        f"{'peak MB':>9} {'tok/s vs full':>14} {'mem vs full':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for arch in ARCHS:
+        r = best[arch]
+        print(
+            f"{arch:<6} {r['params']:>12,} {r['tokens_per_s']:>10,.0f} {r['step_time_s']:>8.3f} "
+            f"{r['flops_per_s'] / 1e9:>8.1f} {r['peak_mb']:>9.0f} "
+            f"{r['tokens_per_s'] / ref['tokens_per_s']:>13.2f}x "
+            f"{r['peak_mb'] / ref['peak_mb']:>11.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
