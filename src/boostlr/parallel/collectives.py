@@ -1,0 +1,341 @@
+"""Autograd-aware tensor-parallel collectives and the communication ledger.
+
+Every collective in boostlr goes through this module (DESIGN.md §3) so that
+
+* each primitive is a conjugate pair: whatever the forward does to the activation,
+  the backward does the adjoint to its gradient (all-reduce <-> identity,
+  all-gather <-> take-slice / reduce-scatter);
+* a group of size 1 costs nothing and records nothing, so the single-device model
+  and the TP model run the same code;
+* every call lands in a :class:`CommLedger` with its payload, so per-step totals can
+  be logged and checked against the cost model.
+
+Process groups are always passed explicitly through a :class:`GroupComm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Phase = Literal["fwd", "bwd", "recompute"]
+OpName = Literal["all_reduce", "all_gather", "reduce_scatter"]
+GradMode = Literal["split", "reduce_scatter"]
+
+PHASES: tuple[Phase, ...] = ("fwd", "bwd", "recompute")
+OPS: tuple[OpName, ...] = ("all_reduce", "all_gather", "reduce_scatter")
+
+# Recent torch (2.13 here) renamed the flat-tensor collectives to *_single and deprecated
+# the old names; older torch (>= 2.6) only has the old ones. Same (output, input, ...)
+# signature; gloo implements both natively, so no all_reduce/list-based fallback is needed.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call as seen by one rank; ``bytes`` is that rank's payload."""
+
+    op: str
+    group: str
+    phase: str
+    bytes: int
+    elements: int
+    tag: str
+
+
+@dataclass(eq=False)
+class CommLedger:
+    """Append-only log of collective calls, reset once per training step.
+
+    The phase of a forward-direction collective is ``fwd`` unless it runs inside
+    :meth:`recompute`, which is how activation checkpointing's re-forward is told
+    apart: low-rank checkpointing must show zero recompute bytes, block
+    checkpointing under vanilla/Megatron TP re-issues every forward all-reduce.
+    """
+
+    records: list[CommRecord] = field(default_factory=list)
+    _recompute_depth: int = field(default=0, init=False, repr=False)
+
+    def record(
+        self, op: str, group: str, phase: str, bytes: int, elements: int, tag: str = ""
+    ) -> CommRecord:
+        if op not in OPS:
+            raise ValueError(f"unknown collective op {op!r}; expected one of {OPS}")
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        rec = CommRecord(op, group, phase, int(bytes), int(elements), tag)
+        self.records.append(rec)
+        return rec
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    @property
+    def forward_phase(self) -> Phase:
+        """Phase to stamp on a forward-direction collective issued right now."""
+        return "recompute" if self._recompute_depth > 0 else "fwd"
+
+    @contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Mark forward-direction collectives issued inside as ``recompute``.
+
+        Meant as the recompute half of ``torch.utils.checkpoint``'s ``context_fn``:
+        ``context_fn=lambda: (nullcontext(), ledger.recompute())``.
+        """
+        self._recompute_depth += 1
+        try:
+            yield
+        finally:
+            self._recompute_depth -= 1
+
+    def totals(self, group: str | None = None) -> dict[str, int]:
+        """Calls, elements and bytes (also bytes per phase), optionally for one group."""
+        out = {"calls": 0, "elements": 0, "bytes": 0} | {f"bytes_{p}": 0 for p in PHASES}
+        for rec in self.records:
+            if group is not None and rec.group != group:
+                continue
+            out["calls"] += 1
+            out["elements"] += rec.elements
+            out["bytes"] += rec.bytes
+            out[f"bytes_{rec.phase}"] += rec.bytes
+        return out
+
+    def step_metrics(self, prefix: str = "comm_tp", group: str | None = "tp") -> dict[str, int]:
+        """The per-step metrics-log entries for one group (zeros when nothing ran)."""
+        t = self.totals(group)
+        keys = ("bytes", "calls", "bytes_fwd", "bytes_bwd", "bytes_recompute")
+        return {f"{prefix}_{k}": t[k] for k in keys}
+
+
+@dataclass(frozen=True)
+class GroupComm:
+    """A process group plus the name and ledger its collectives are recorded under.
+
+    ``group=None`` means "no parallelism here" (size 1), never "the default group":
+    groups are always explicit so DP/PP/TP traffic cannot be mixed up.
+    """
+
+    group: dist.ProcessGroup | None
+    name: str
+    ledger: CommLedger
+
+    @property
+    def size(self) -> int:
+        if self.group is None or not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        if self.group is None or not dist.is_available() or not dist.is_initialized():
+            return 0
+        return dist.get_rank(self.group)
+
+
+def _record(comm: GroupComm, op: OpName, payload: Tensor, tag: str, phase: Phase) -> None:
+    comm.ledger.record(
+        op, comm.name, phase, payload.numel() * payload.element_size(), payload.numel(), tag
+    )
+
+
+def _chunk_len(shape: torch.Size, dim: int, comm: GroupComm, tag: str) -> int:
+    if shape[dim] % comm.size != 0:
+        raise ValueError(
+            f"[{tag}] cannot split dim {dim} of size {shape[dim]} (shape {tuple(shape)}) "
+            f"evenly across the {comm.size} ranks of group '{comm.name}'"
+        )
+    return shape[dim] // comm.size
+
+
+def _all_reduce(x: Tensor, comm: GroupComm, tag: str, phase: Phase) -> Tensor:
+    """Sum ``x`` across the group into a fresh tensor (never mutates an autograd input)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    _record(comm, "all_reduce", out, tag, phase)
+    dist.all_reduce(out, group=comm.group)
+    return out
+
+
+def _all_gather(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    x = x.contiguous()
+    flat = x.new_empty(comm.size * x.numel())  # 1-D buffers: every backend accepts them
+    _record(comm, "all_gather", flat, tag, phase)
+    _all_gather_flat(flat, x.view(-1), group=comm.group)
+    # [W, ..., n_dim, ...] -> [..., W * n_dim, ...]: rank-major, i.e. torch.cat order.
+    stacked = flat.view(comm.size, *x.shape)
+    return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+
+
+def _reduce_scatter(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase) -> Tensor:
+    """Sum ``x`` across the group and keep this rank's chunk along ``dim``."""
+    n = _chunk_len(x.shape, dim, comm, tag)
+    # [..., W * n, ...] -> [W, ..., n, ...] so each rank's chunk is one flat block.
+    stacked = x.unflatten(dim, (comm.size, n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(stacked.shape[1:])
+    _record(comm, "reduce_scatter", stacked, tag, phase)
+    _reduce_scatter_flat(out.view(-1), stacked.view(-1), group=comm.group)
+    return out
+
+
+def _local_chunk(x: Tensor, dim: int, comm: GroupComm, tag: str) -> Tensor:
+    n = _chunk_len(x.shape, dim, comm, tag)
+    return x.narrow(dim, comm.rank * n, n).contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce backward.
+
+    Used where a replicated activation enters a region whose ranks compute different
+    partial results (column-parallel): every rank's gradient w.r.t. the shared input
+    is only its partial contribution, so the true gradient is their sum. It is the
+    adjoint of :class:`_ReduceFromGroup`.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: GroupComm, tag: str) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.tag = comm, tag
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return _all_reduce(grad, ctx.comm, ctx.tag, "bwd"), None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward.
+
+    Ends a row-parallel region: the output is replicated, and d(sum)/d(partial) is the
+    identity, so each rank's partial simply receives the (replicated) output gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: GroupComm, tag: str) -> Tensor:  # type: ignore[override]
+        return _all_reduce(x, comm, tag, comm.ledger.forward_phase)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return grad, None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """All-gather along ``dim`` forward; backward depends on what consumes the output.
+
+    ``split``: the consumer is replicated (every rank computes the same loss), so each
+    rank's gradient already is the full gradient and the rank just keeps its slice.
+    ``reduce_scatter``: ranks consume the gathered tensor differently (e.g. a
+    vocab-parallel head), so the gradients are partials that must be summed first.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, comm: GroupComm, tag: str, dim: int, grad: GradMode
+    ) -> Tensor:
+        ctx.comm, ctx.tag, ctx.dim, ctx.grad_mode = comm, tag, dim, grad
+        return _all_gather(x, dim, comm, tag, comm.ledger.forward_phase)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        if ctx.grad_mode == "split":
+            out = _local_chunk(grad, ctx.dim, ctx.comm, ctx.tag)
+        else:
+            out = _reduce_scatter(grad, ctx.dim, ctx.comm, ctx.tag, "bwd")
+        return out, None, None, None, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    """Keep this rank's slice along ``dim`` forward (no comm), all-gather backward.
+
+    The input is replicated and each slice feeds a different rank, so the full
+    gradient is the concatenation of every rank's slice gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: GroupComm, tag: str, dim: int) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.tag, ctx.dim = comm, tag, dim
+        return _local_chunk(x, dim, comm, tag)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return _all_gather(grad, ctx.dim, ctx.comm, ctx.tag, "bwd"), None, None, None
+
+
+class _ReduceScatterToGroup(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward, all-gather backward.
+
+    Turns per-rank partial sums of a full tensor into the rank's slice of the total;
+    each rank's partial influenced every slice, so its gradient is the full gathered
+    gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: GroupComm, tag: str, dim: int) -> Tensor:  # type: ignore[override]
+        ctx.comm, ctx.tag, ctx.dim = comm, tag, dim
+        return _reduce_scatter(x, dim, comm, tag, comm.ledger.forward_phase)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return _all_gather(grad, ctx.dim, ctx.comm, ctx.tag, "bwd"), None, None, None
+
+
+def copy_to_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
+    """Identity forward, all-reduce backward (enter a column-parallel region)."""
+    if comm.size == 1:
+        return x
+    return _CopyToGroup.apply(x, comm, tag)
+
+
+def reduce_from_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
+    """All-reduce (sum) forward, identity backward (leave a row-parallel region)."""
+    if comm.size == 1:
+        return x
+    return _ReduceFromGroup.apply(x, comm, tag)
+
+
+def gather_from_group(
+    x: Tensor, comm: GroupComm, tag: str, dim: int = -1, grad: GradMode = "split"
+) -> Tensor:
+    """All-gather along ``dim``; backward keeps the slice or reduce-scatters (see class)."""
+    if grad not in ("split", "reduce_scatter"):
+        raise ValueError(f"[{tag}] grad must be 'split' or 'reduce_scatter', got {grad!r}")
+    if comm.size == 1:
+        return x
+    return _GatherFromGroup.apply(x, comm, tag, dim % x.dim(), grad)
+
+
+def scatter_to_group(x: Tensor, comm: GroupComm, tag: str, dim: int = -1) -> Tensor:
+    """This rank's slice along ``dim`` (no comm) forward, all-gather backward."""
+    if comm.size == 1:
+        return x
+    return _ScatterToGroup.apply(x, comm, tag, dim % x.dim())
+
+
+def reduce_scatter_to_group(x: Tensor, comm: GroupComm, tag: str, dim: int = -1) -> Tensor:
+    """Reduce-scatter along ``dim`` forward, all-gather backward."""
+    if comm.size == 1:
+        return x
+    return _ReduceScatterToGroup.apply(x, comm, tag, dim % x.dim())
+
+
+def all_reduce_(
+    x: Tensor, comm: GroupComm, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> Tensor:
+    """In-place all-reduce outside autograd, for statistics (e.g. the vocab-parallel max).
+
+    Returns ``x``. The caller treats the result as a constant (detach first); it is
+    recorded as ``fwd``, or ``recompute`` inside :meth:`CommLedger.recompute`.
+    """
+    if comm.size == 1:
+        return x
+    buf = x if x.is_contiguous() else x.contiguous()
+    _record(comm, "all_reduce", buf, tag, comm.ledger.forward_phase)
+    dist.all_reduce(buf, op=op, group=comm.group)
+    if buf is not x:
+        x.copy_(buf)
+    return x
