@@ -1,0 +1,216 @@
+"""Bottleneck-aware tensor parallelism (BTP), DESIGN.md §2.
+
+A TP region starts at an up-projection B (column-parallel: splits its *output* — heads, MLP
+width, or the residual's d) and ends at the next down-projection A (row-parallel: splits its
+*input*). The only collective between regions is the all-reduce of A's ``[T, r]`` output, so
+the residual stream stays sharded along d and the latents ``σ(A x)`` are replicated.
+
+Companions implemented here:
+
+* online-RMSNorm: a norm in front of an A is folded into it. Each rank pre-normalises its
+  slice by its local rms (keeps bf16 in range), multiplies the rms back after the GEMM and
+  sends ``[p | Σx²]`` in the *same* all-reduce; ``y = p / sqrt(Σx²/d + eps)`` afterwards.
+  ``norm="sync"`` sends the statistics in a separate all-reduce (ablation).
+* linear-layer grouping: ``[A_q|A_k|A_v]`` and ``[A_gate|A_up]`` are one GEMM and one
+  all-reduce; same-shaped up-projections run as one batched GEMM.
+* low-rank activation checkpointing: each region (no collective inside) is checkpointed on
+  its own, saving only its replicated latent and residual slice; the re-forward issues no
+  communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from boostlr.config import ModelConfig
+from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
+from boostlr.models.lowrank import LowRankLinear
+from boostlr.models.norm import rms_norm
+from boostlr.parallel.collectives import copy_to_group, gather_from_group, reduce_from_group
+from boostlr.parallel.context import TPContext
+from boostlr.parallel.sharding import REPLICATED, ShardSpec, padded_size
+from boostlr.parallel.vocab import vocab_parallel_cross_entropy
+
+
+def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
+    if name == "embed_tokens.weight":
+        return ShardSpec(1)  # split along d: the lookup yields this rank's residual slice
+    if name == "lm_head.weight":
+        return ShardSpec(0, padded_size(cfg.vocab_size, tp))
+    if name.endswith("layernorm.weight") or name == "norm.weight":
+        return ShardSpec(0)  # gains follow the d-sharded residual
+    if name.endswith(".down.weight"):
+        return ShardSpec(1)  # A row-parallel: split its input
+    if name.endswith(".up.weight"):
+        return ShardSpec(0)  # B column-parallel: split its output
+    return REPLICATED  # LaX crossing acts on replicated latents
+
+
+def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
+    return F.embedding(tokens, model.embed_tokens.weight)
+
+
+def head_loss(model: LlamaModel, x: Tensor, targets: Tensor, ctx: TPContext) -> Tensor:
+    """All-gather the last hidden state once; vocab-parallel head and loss.
+
+    The head's input gradient is a partial sum per rank, so the gathers reduce-scatter it
+    (and the final norm's gain gradient) back to d-slices in the backward.
+    """
+    x_full = gather_from_group(x, ctx.comm, "final_hidden", dim=-1, grad="reduce_scatter")
+    gain = gather_from_group(
+        model.norm.weight, ctx.comm, "final_norm_gain", dim=0, grad="reduce_scatter"
+    )
+    logits = F.linear(rms_norm(x_full, gain, model.norm.eps), model.lm_head.weight)
+    return vocab_parallel_cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), model.cfg.vocab_size, ctx.comm
+    )
+
+
+# ------------------------------------------------------------------------ norm + down-proj
+
+
+def _norm_down_partial(x: Tensor, gain: Tensor, downs: list[Tensor]) -> tuple[Tensor, ...]:
+    """This rank's share of ``A · RMSNorm(x)`` for each A, plus its ``Σ x²`` (fp32).
+
+    Pre-normalising by the local rms and multiplying it back keeps the GEMM input in range
+    in bf16 while the sum over ranks is still exactly ``A (g ⊙ x)``.
+    """
+    x32 = x.float()
+    ss = x32.pow(2).sum(-1, keepdim=True)
+    local_rms = torch.sqrt(ss / x.shape[-1] + 1e-12)
+    y = gain * (x32 / local_rms).to(x.dtype)
+    return (ss, *(F.linear(y, a).float() * local_rms for a in downs))
+
+
+def _reduce_norm_down(
+    parts: tuple[Tensor, ...], dim: int, eps: float, ctx: TPContext, tag: str
+) -> list[Tensor]:
+    """All-reduce the partials (stats riding along unless ``norm=sync``), then normalise."""
+    ss, partials = parts[0], list(parts[1:])
+    sizes = [p.shape[-1] for p in partials]
+    comm = ctx.comm
+    if ctx.norm == "sync":
+        ss = reduce_from_group(ss, comm, f"{tag}.norm_stats")
+        if ctx.grouping:
+            partials = list(reduce_from_group(torch.cat(partials, -1), comm, tag).split(sizes, -1))
+        else:
+            partials = [reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials)]
+    elif ctx.grouping:
+        packed = reduce_from_group(torch.cat([*partials, ss], -1), comm, tag)
+        *partials, ss = packed.split([*sizes, 1], -1)
+    else:  # the statistics ride with the first down-projection's all-reduce
+        first = reduce_from_group(torch.cat([partials[0], ss], -1), comm, f"{tag}.0")
+        partials[0], ss = first.split([sizes[0], 1], -1)
+        partials[1:] = [
+            reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials[1:], 1)
+        ]
+    inv_rms = torch.rsqrt(ss / dim + eps)
+    return [p * inv_rms for p in partials]
+
+
+# ------------------------------------------------------------------------ latents + up-proj
+
+
+def _latents(
+    linears: list[LowRankLinear], pre: list[Tensor], names: list[str], z_prev: Latents | None
+) -> tuple[list[Tensor], Latents]:
+    """σ / LaX crossing on the replicated latents (local: every rank holds all of r)."""
+    hs, z = [], {}
+    for lin, a, name in zip(linears, pre, names, strict=True):
+        h, z[name] = lin.latent(a, None if z_prev is None else z_prev.get(name))
+        hs.append(h)
+    return hs, z
+
+
+def _enter_region(hs: list[Tensor], ctx: TPContext, tag: str) -> list[Tensor]:
+    """Identity forward; the backward all-reduces B's partial input grads (one per group)."""
+    if ctx.grouping and len(hs) > 1:
+        joined = copy_to_group(torch.cat(hs, -1), ctx.comm, f"{tag}.latent")
+        return list(joined.split([h.shape[-1] for h in hs], -1))
+    return [copy_to_group(h, ctx.comm, f"{tag}.latent.{i}") for i, h in enumerate(hs)]
+
+
+def _up(hs: list[Tensor], weights: list[Tensor], grouped: bool) -> list[Tensor]:
+    """B projections; same-shaped ones as one batched GEMM when grouping is on."""
+    out: list[Tensor | None] = [None] * len(hs)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, w in enumerate(weights):
+        by_shape.setdefault(tuple(w.shape) if grouped else (i,), []).append(i)
+    for idx in by_shape.values():
+        if len(idx) == 1:
+            out[idx[0]] = F.linear(hs[idx[0]], weights[idx[0]])
+            continue
+        lead = hs[idx[0]].shape[:-1]
+        h = torch.stack([hs[i].reshape(-1, hs[i].shape[-1]) for i in idx])
+        w = torch.stack([weights[i] for i in idx])
+        y = torch.bmm(h, w.transpose(1, 2))
+        for j, i in enumerate(idx):
+            out[i] = y[j].reshape(*lead, -1)
+    return out  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------ the block
+
+QKV = ["q_proj", "k_proj", "v_proj"]
+GATE_UP = ["gate_proj", "up_proj"]
+
+
+def block_forward(
+    block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
+) -> tuple[Tensor, Latents]:
+    """One block on the d-sharded residual ``x``; four ``[T, r·k]`` all-reduces forward."""
+    attn, mlp, cfg = block.self_attn, block.mlp, ctx.cfg
+    qkv = [getattr(attn, n) for n in QKV]
+    gate_up = [getattr(mlp, n) for n in GATE_UP]
+    z: Latents = {}
+
+    # Region ending at A_qkv: norm folded into the grouped down-projection.
+    parts = ctx.region(
+        lambda x_: _norm_down_partial(
+            x_, block.input_layernorm.weight, [l.down.weight for l in qkv]
+        ),
+        x,
+    )
+    pre = _reduce_norm_down(parts, cfg.dim, block.input_layernorm.eps, ctx, "qkv")
+    hs, z_qkv = _latents(qkv, pre, QKV, z_prev)
+    z.update(z_qkv)
+    hs = _enter_region(hs, ctx, "qkv")
+
+    # Region: B_q/B_k/B_v (this rank's heads) -> attention -> partial A_o.
+    def attention_region(*h: Tensor) -> Tensor:
+        q, k, v = _up(list(h), [l.up.weight for l in qkv], ctx.grouping)
+        out = causal_attention(q, k, v, rope, attn.head_dim)
+        return F.linear(out, attn.o_proj.down.weight)
+
+    p_o = reduce_from_group(ctx.region(attention_region, *hs), ctx.comm, "o_proj")
+    (h_o,), z_o = _latents([attn.o_proj], [p_o], ["o_proj"], z_prev)
+    z.update(z_o)
+    (h_o,) = _enter_region([h_o], ctx, "o_proj")
+
+    # Region: B_o writes the residual slice, then the MLP norm folded into [A_gate|A_up].
+    def residual_attn_region(h: Tensor, x_: Tensor) -> tuple[Tensor, ...]:
+        x_ = x_ + F.linear(h, attn.o_proj.up.weight)
+        downs = [l.down.weight for l in gate_up]
+        return (x_, *_norm_down_partial(x_, block.post_attention_layernorm.weight, downs))
+
+    x, *parts = ctx.region(residual_attn_region, h_o, x)
+    eps = block.post_attention_layernorm.eps
+    pre = _reduce_norm_down(tuple(parts), cfg.dim, eps, ctx, "gate_up")
+    hs, z_gu = _latents(gate_up, pre, GATE_UP, z_prev)
+    z.update(z_gu)
+    hs = _enter_region(hs, ctx, "gate_up")
+
+    # Region: B_gate/B_up (this rank's slice of f) -> product -> partial A_down.
+    def mlp_region(*h: Tensor) -> Tensor:
+        g, u = _up(list(h), [l.up.weight for l in gate_up], ctx.grouping)
+        return F.linear(mlp_product(g, u, mlp.form), mlp.down_proj.down.weight)
+
+    p_d = reduce_from_group(ctx.region(mlp_region, *hs), ctx.comm, "down_proj")
+    (h_d,), z_d = _latents([mlp.down_proj], [p_d], ["down_proj"], z_prev)
+    z.update(z_d)
+    (h_d,) = _enter_region([h_d], ctx, "down_proj")
+
+    # Region: B_down writes the residual slice (continues into the next block's A_qkv).
+    return ctx.region(lambda h, x_: x_ + F.linear(h, mlp.down_proj.up.weight), h_d, x), z

@@ -1,0 +1,40 @@
+"""What every tensor-parallel strategy needs at run time, passed explicitly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from boostlr.config import ModelConfig
+from boostlr.parallel.collectives import GroupComm
+
+
+@dataclass(frozen=True)
+class TPContext:
+    comm: GroupComm
+    cfg: ModelConfig
+    norm: str = "online"  # btp: "online" (stats ride with A's all-reduce) | "sync"
+    grouping: bool = True  # btp: fused down-projections, batched up-projections
+    act_ckpt: str = "none"  # "none" | "lowrank" (btp regions) | "block"
+
+    def checkpointed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` under activation checkpointing, its re-forward marked ``recompute``.
+
+        Early stop is off so the re-forward always runs to the end: the ledger then shows
+        every collective a recompute re-issues, not just those before the last saved tensor.
+        """
+        with set_checkpoint_early_stop(False):
+            return checkpoint(
+                fn,
+                *args,
+                use_reentrant=False,
+                context_fn=lambda: (nullcontext(), self.comm.ledger.recompute()),
+            )
+
+    def region(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A BTP region (no collective inside): checkpointed under ``act_ckpt=lowrank``."""
+        return self.checkpointed(fn, *args) if self.act_ckpt == "lowrank" else fn(*args)

@@ -1,0 +1,142 @@
+"""Turn a single-device model into its tensor-parallel form and back.
+
+:class:`TensorParallelModel` keeps the single-device module tree (same parameter names),
+replaces each parameter by this rank's shard, and runs the strategy's forward. The full
+model can always be reassembled (:meth:`full_state_dict`), which is what checkpoints,
+export and the equivalence tests use, so every layout reads and writes the same files.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from boostlr.models.llama import Latents, LlamaModel, rope_tables
+from boostlr.parallel import btp, megatron, vanilla
+from boostlr.parallel.collectives import GroupComm, all_reduce_
+from boostlr.parallel.context import TPContext
+from boostlr.parallel.sharding import (
+    REPLICATED,
+    ShardSpec,
+    shard_module,
+    shard_tensor,
+    unshard_tensor,
+)
+
+STRATEGIES: dict[str, ModuleType] = {"megatron": megatron, "vanilla": vanilla, "btp": btp}
+LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TensorParallelModel(nn.Module):
+    """A sharded :class:`LlamaModel`; ``strategy=None`` is the plain single-device model."""
+
+    def __init__(self, model: LlamaModel, strategy: str | None, ctx: TPContext):
+        super().__init__()
+        self.cfg = model.cfg
+        self.ctx = ctx
+        self.strategy_name = strategy
+        self.strategy = STRATEGIES[strategy] if strategy else None
+        tp = ctx.comm.size
+        self.specs: dict[str, ShardSpec] = {
+            name: (self.strategy.param_spec(name, self.cfg, tp) if self.strategy else REPLICATED)
+            for name, _ in model.named_parameters()
+        }
+        self.full_shapes = shard_module(model, self.specs, ctx.comm.rank, tp)
+        self.model = model
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        if self.strategy is None:
+            return self._single_device(tokens, targets)
+        s, ctx = self.strategy, self.ctx
+        x = s.embed(self.model, tokens, ctx)
+        rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
+        z: Latents | None = None
+        for block in self.model.layers:
+            if ctx.act_ckpt == "block":
+                x, z = self._checkpointed_block(s.block_forward, block, x, rope, z)
+            else:
+                x, z = s.block_forward(block, x, rope, z, ctx)
+        return s.head_loss(self.model, x, targets, ctx)
+
+    def _single_device(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        if self.ctx.act_ckpt != "block":
+            return self.model(tokens, targets)
+        m = self.model
+        x = m.embed_tokens(tokens)
+        rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
+        z: Latents | None = None
+        for block in m.layers:
+            x, z = self._checkpointed_block(
+                lambda b, x_, r, zp, _ctx: b(x_, r, zp), block, x, rope, z
+            )
+        logits = m.lm_head(m.norm(x))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def _checkpointed_block(self, forward, block, x, rope, z_prev):
+        """Whole-block checkpointing; LaX latents travel as extra tensor inputs/outputs."""
+        names = LATENT_NAMES if self.cfg.arch == "lax" else ()
+
+        def run(x_: Tensor, *zs: Tensor):
+            zp = dict(zip(names, zs, strict=True)) if zs else None
+            out, z = forward(block, x_, rope, zp, self.ctx)
+            return (out, *(z[n] for n in names))
+
+        zs = tuple(z_prev[n] for n in names) if z_prev else ()
+        out, *z_out = self.ctx.checkpointed(run, x, *zs)
+        return out, (dict(zip(names, z_out, strict=True)) if names else None)
+
+    # ------------------------------------------------------------------ full <-> shards
+
+    def _full_size(self, name: str) -> int | None:
+        dim = self.specs[name].dim
+        return None if dim is None else self.full_shapes[name][dim]
+
+    def named_shards(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Single-device parameters (collective: every TP rank must call it)."""
+        return {
+            name: unshard_tensor(p, self.specs[name], self._full_size(name), self.ctx.comm)
+            for name, p in self.named_shards()
+        }
+
+    def full_grads(self) -> dict[str, Tensor]:
+        return {
+            name: unshard_tensor(p.grad, self.specs[name], self._full_size(name), self.ctx.comm)
+            for name, p in self.named_shards()
+            if p.grad is not None
+        }
+
+    def shard_of(self, name: str, full: Tensor) -> Tensor:
+        return shard_tensor(full, self.specs[name], self.ctx.comm.rank, self.ctx.comm.size)
+
+    def grad_norm(self, misc: GroupComm) -> Tensor:
+        """Global L2 norm of the gradients: sharded squares summed over TP, replicas once."""
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for name, p in self.named_shards():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if self.specs[name].dim is None:
+                replicated += sq
+            else:
+                sharded += sq
+        all_reduce_(sharded, misc, "grad_norm")
+        return (sharded + replicated).sqrt().float()
+
+
+def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm) -> float:
+    """Clip by the global norm of the *full* model, identically on every TP rank."""
+    total = model.grad_norm(misc)
+    if max_norm > 0 and torch.isfinite(total):
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.device, p.grad.dtype))
+    return float(total)
