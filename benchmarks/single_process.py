@@ -64,7 +64,7 @@ def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
             "step_time_s": step_time,
             "peak_mb": peak_mb,
             "flops_per_s": flops_per_token(cfg, args.seq_len) * tokens_per_step / step_time,
-            "loss": float(loss),
+            "loss": float(loss.detach()),
         }
     )
 

@@ -32,6 +32,9 @@ MLP_FORMS = ("auto", "lowrank-only", "swiglu")
 LAX_GATES = ("factored", "full")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+TP_STRATEGIES = ("auto", "megatron", "vanilla", "btp")
+NORM_MODES = ("online", "sync")
+ACT_CKPT_MODES = ("none", "lowrank", "block")
 
 
 @dataclass(frozen=True)
@@ -145,9 +148,30 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Process layout. Single-process runs only need ``device``."""
+    """Process layout and tensor-parallel options (see DESIGN.md §2)."""
 
     device: str = "auto"
+    # Local processes to launch; 0 = the product of the parallel degrees. When set it must
+    # equal that product. Under torchrun/srun the launcher's WORLD_SIZE must match it.
+    nproc: int = 0
+    tp: int = 1
+    # auto: none at tp 1, btp for low-rank archs, megatron for full.
+    tp_strategy: str = "auto"
+    norm: str = "online"
+    grouping: bool = True
+    act_ckpt: str = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    def strategy_for(self, arch: str) -> str | None:
+        """The strategy that will run (``None``: the plain single-device model)."""
+        if self.tp_strategy != "auto":
+            return self.tp_strategy
+        if self.tp == 1:
+            return None
+        return "megatron" if arch == "full" else "btp"
 
 
 @dataclass
@@ -308,6 +332,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("parallel.device", cfg.parallel.device, DEVICES)
     validate_model(m)
+    validate_parallel(cfg.parallel, m)
     for key, value in (
         ("data.seq_len", d.seq_len),
         ("data.val_batches", d.val_batches),
@@ -336,6 +361,52 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("train.grad_clip and train.weight_decay must be >= 0")
     if d.default_vocab < 260 or d.default_vocab > 2**32 - 1:
         raise ConfigError(f"data.default_vocab must be in [260, 2^32), got {d.default_vocab}")
+
+
+def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
+    """Layout checks that must pass before any process or process group exists."""
+    _choice("parallel.tp_strategy", p.tp_strategy, TP_STRATEGIES)
+    _choice("parallel.norm", p.norm, NORM_MODES)
+    _choice("parallel.act_ckpt", p.act_ckpt, ACT_CKPT_MODES)
+    if p.nproc < 0 or p.tp < 1:
+        raise ConfigError(
+            f"parallel.nproc must be >= 0 and parallel.tp >= 1, got {p.nproc}, {p.tp}"
+        )
+    if p.nproc not in (0, p.tp):
+        raise ConfigError(
+            f"parallel.nproc {p.nproc} must equal the product of the parallel degrees "
+            f"(tp {p.tp}): set --parallel.nproc {p.tp} or --parallel.tp {p.nproc}"
+        )
+    strategy = p.strategy_for(m.arch)
+    if strategy in ("btp", "vanilla") and not m.lowrank:
+        raise ConfigError(
+            f"parallel.tp_strategy {strategy} needs a low-rank arch (cola, svd, lax), not "
+            f"'{m.arch}': use megatron for arch full"
+        )
+    if strategy == "megatron" and m.lowrank:
+        raise ConfigError(
+            f"parallel.tp_strategy megatron is for arch full, not '{m.arch}': use btp or vanilla"
+        )
+    if p.act_ckpt == "lowrank" and strategy != "btp":
+        raise ConfigError(
+            "parallel.act_ckpt lowrank checkpoints BTP regions: it needs parallel.tp_strategy "
+            "btp (use block for other strategies)"
+        )
+    if strategy == "btp" and m.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings is not supported with btp (the embedding is split along d, "
+            "the head along the vocabulary): set model.tie_embeddings false"
+        )
+    dims = {"model.dim": m.dim, "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads}
+    dims["model.ffn_dim"] = m.ffn_dim
+    if strategy == "vanilla":
+        dims["model.rank"] = m.rank
+    for key, value in dims.items():
+        if value % p.tp:
+            raise ConfigError(
+                f"parallel.tp {p.tp} does not divide {key} {value}: pick a tp that divides "
+                "heads, kv heads, dim and ffn_dim" + (" and rank" if strategy == "vanilla" else "")
+            )
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -1,1 +1,1 @@
-"""boostlr.analysis"""
+"""boostlr.analysis: communication and cost formulas."""

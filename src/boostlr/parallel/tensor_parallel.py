@@ -140,3 +140,57 @@ def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm)
             if p.grad is not None:
                 p.grad.mul_(scale.to(p.grad.device, p.grad.dtype))
     return float(total)
+
+
+def full_optimizer_state(model: TensorParallelModel, optimizer: torch.optim.Optimizer) -> dict:
+    """Optimizer state keyed by parameter name with full (single-device) shapes.
+
+    Collective on TP ranks. Layout-free, so a checkpoint does not depend on how many ranks
+    wrote it.
+    """
+    names = {id(p): n for n, p in model.named_shards()}
+    state = {}
+    for name, param in model.named_shards():  # same order on every rank: gathers line up
+        entries = optimizer.state.get(param, {})
+        state[name] = {
+            key: (
+                unshard_tensor(value, model.specs[name], model._full_size(name), model.ctx.comm)
+                if torch.is_tensor(value) and value.shape == param.shape
+                else value
+            )
+            for key, value in entries.items()
+        }
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    return {"state": {k: v for k, v in state.items() if v}, "param_groups": groups}
+
+
+def load_full_optimizer_state(
+    model: TensorParallelModel, optimizer: torch.optim.Optimizer, full: dict
+) -> None:
+    """Slice a :func:`full_optimizer_state` for this rank and load it."""
+    names = {id(p): n for n, p in model.named_shards()}
+    index: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index[names[id(p)]] = len(index)
+    state = {}
+    for name, entries in full["state"].items():
+        full_shape = model.full_shapes[name]
+        state[index[name]] = {
+            k: (model.shard_of(name, v) if torch.is_tensor(v) and v.shape == full_shape else v)
+            for k, v in entries.items()
+        }
+    groups = [
+        {
+            **{k: v for k, v in saved.items() if k != "params"},
+            "params": [index[n] for n in saved["params"]],
+        }
+        for saved in full["param_groups"]
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -15,17 +15,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from boostlr.config import RunConfig, dump_toml, to_dict
+from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
 from boostlr.models.counting import flops_per_token
-from boostlr.models.llama import LlamaModel, build_model
+from boostlr.models.llama import build_model
+from boostlr.parallel.collectives import CommLedger, GroupComm
+from boostlr.parallel.context import TPContext
+from boostlr.parallel.launch import init_distributed, launch, under_launcher
+from boostlr.parallel.tensor_parallel import (
+    TensorParallelModel,
+    clip_gradients,
+    full_optimizer_state,
+    load_full_optimizer_state,
+)
 from boostlr.train.checkpoint import (
     Checkpoint,
     load_model_state,
     load_trainer_state,
     newest_checkpoint,
+    open_checkpoint,
     save_checkpoint,
 )
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
@@ -70,32 +81,57 @@ def bind_vocab(cfg: RunConfig, dataset: TokenDataset) -> None:
 
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = True) -> TrainResult:
-    """Run (or continue) training into ``run_dir``; see README for the run-directory contract."""
+    """Run (or continue) training into ``run_dir``; see README for the run-directory contract.
+
+    Everything that can be wrong with the input is checked here, before any rank starts and
+    before the run directory is touched. ``parallel.tp > 1`` then launches the ranks in
+    process (or joins the ones torchrun/srun started).
+    """
     device = resolve_device(cfg.parallel.device)
-    train_ds, val_ds = open_datasets(cfg)
+    train_ds, _ = open_datasets(cfg)
     bind_vocab(cfg, train_ds)
-    loader = BatchLoader(train_ds, cfg.train.batch_size, cfg.data.seq_len, seed=cfg.train.seed)
-    val_data = val_batches(val_ds, cfg.train.batch_size, cfg.data.seq_len, cfg.data.val_batches)
-
-    ckpt = _prepare_run_dir(cfg, run_dir, resume, train_ds)
-    torch.manual_seed(cfg.train.seed)
-    if device.type == "cpu":
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    model = build_model(cfg.model, seed=cfg.train.seed, device=device)
-    optimizer = build_optimizer(model, cfg.train)
-    start_step = 0
-    if ckpt is not None:
-        start_step = _restore(ckpt, model, optimizer, loader)
-        truncate_after(run_dir / METRICS_FILE, start_step)
-
-    return _run(cfg, run_dir, model, optimizer, loader, val_data, device, start_step, console)
+    world = cfg.parallel.world_size
+    if under_launcher():
+        return _train_under_launcher(cfg, run_dir, resume, console, device, train_ds)
+    ckpt = _check_run_dir(cfg, run_dir, resume)
+    _write_run_dir(cfg, run_dir, train_ds)
+    ckpt_path = str(ckpt.path) if ckpt else None
+    if world == 1:
+        return _train_rank(cfg, run_dir, ckpt_path, console, device)
+    results = launch(world, _rank_entry, to_dict(cfg), str(run_dir), ckpt_path, console)
+    return results[0]
 
 
-def _prepare_run_dir(
-    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset
-) -> Checkpoint | None:
-    """Check the run directory before writing anything; returns the checkpoint to resume."""
-    config_path = run_dir / CONFIG_FILE
+def _train_under_launcher(
+    cfg: RunConfig, run_dir: Path, resume: bool, console: bool, device, train_ds: TokenDataset
+) -> TrainResult:
+    """Every rank checks (read-only), then rank 0 writes the run directory."""
+    init_distributed(device, cfg.parallel.world_size)
+    try:
+        ckpt = _check_run_dir(cfg, run_dir, resume)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _write_run_dir(cfg, run_dir, train_ds)
+        dist.barrier()
+        ckpt_path = str(ckpt.path) if ckpt else None
+        return _train_rank(cfg, run_dir, ckpt_path, console, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
+    """One rank started by :func:`launch` (module level: it is pickled to the child)."""
+    cfg = from_dict(cfg_dict)
+    device = resolve_device(cfg.parallel.device)
+    init_distributed(device, cfg.parallel.world_size)
+    try:
+        return _train_rank(cfg, Path(run_dir), ckpt_path, console, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> Checkpoint | None:
+    """Read-only checks of the run directory; returns the checkpoint to resume from."""
     if resume:
         ckpt = newest_checkpoint(run_dir / "checkpoints")
         if ckpt is None:
@@ -109,22 +145,64 @@ def _prepare_run_dir(
                 f"--resume: the model config differs from the one saved in {ckpt.path}: "
                 "drop the --model.* overrides when resuming"
             )
-        _write_atomic(config_path, dump_toml(cfg))
         return ckpt
-    if config_path.exists():
+    if (run_dir / CONFIG_FILE).exists():
         raise ConfigError(
             f"run directory {run_dir} already holds a run: pass --resume to continue it "
             "or choose a new --run-dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
-    _write_atomic(config_path, dump_toml(cfg))
     return None
 
 
-def _restore(
-    ckpt: Checkpoint, model: LlamaModel, optimizer: torch.optim.Optimizer, loader: BatchLoader
-) -> int:
+def _write_run_dir(cfg: RunConfig, run_dir: Path, dataset: TokenDataset) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / TOKENIZER_FILE).exists():
+        shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
+    _write_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
+
+
+def _train_rank(
+    cfg: RunConfig, run_dir: Path, ckpt_path: str | None, console: bool, device: torch.device
+) -> TrainResult:
+    """Build this rank's shard of the model and run the loop."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ledger = CommLedger()
+    comm = GroupComm(group, "tp", ledger)
+    misc = GroupComm(group, "tp_misc", ledger)  # grad-norm statistics: not model traffic
+
+    train_ds, val_ds = open_datasets(cfg)
+    loader = BatchLoader(train_ds, cfg.train.batch_size, cfg.data.seq_len, seed=cfg.train.seed)
+    val_data = val_batches(val_ds, cfg.train.batch_size, cfg.data.seq_len, cfg.data.val_batches)
+    torch.manual_seed(cfg.train.seed)
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    full = build_model(cfg.model, seed=cfg.train.seed, device="cpu")
+    ckpt = open_checkpoint(Path(ckpt_path)) if ckpt_path else None
+    if ckpt is not None:
+        _load_weights(ckpt, full)
+    p = cfg.parallel
+    ctx = TPContext(comm, cfg.model, norm=p.norm, grouping=p.grouping, act_ckpt=p.act_ckpt)
+    model = TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx).to(device)
+    optimizer = build_optimizer(model, cfg.train)
+    start_step = 0
+    if ckpt is not None:
+        trainer = load_trainer_state(ckpt)
+        load_full_optimizer_state(model, optimizer, trainer["optimizer"])
+        loader.load_state_dict(trainer["loader"])
+        torch.set_rng_state(trainer["rng"]["cpu"])
+        if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
+        start_step = ckpt.step
+        if rank == 0:
+            truncate_after(run_dir / METRICS_FILE, start_step)
+    return _run(
+        cfg, run_dir, model, optimizer, loader, val_data, device, start_step, misc, rank, console
+    )
+
+
+def _load_weights(ckpt: Checkpoint, model) -> None:
     state = load_model_state(ckpt)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied_only = missing == ["lm_head.weight"] and model.cfg.tie_embeddings
@@ -133,26 +211,22 @@ def _restore(
             f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}): resume with the run's own config"
         )
-    trainer = load_trainer_state(ckpt)
-    optimizer.load_state_dict(trainer["optimizer"])
-    loader.load_state_dict(trainer["loader"])
-    torch.set_rng_state(trainer["rng"]["cpu"])
-    if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
-    return ckpt.step
 
 
 def _run(
     cfg: RunConfig,
     run_dir: Path,
-    model: LlamaModel,
+    model: TensorParallelModel,
     optimizer: torch.optim.Optimizer,
     loader: BatchLoader,
     val_data: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     start_step: int,
+    misc: GroupComm,
+    rank: int,
     console: bool,
 ) -> TrainResult:
+    """The step loop; every rank runs it, rank 0 alone writes metrics and checkpoints."""
     t = cfg.train
     tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -161,8 +235,9 @@ def _run(
         if t.dtype == "bfloat16"
         else nullcontext()
     )
-    metrics = MetricsLog(run_dir / METRICS_FILE)
-    progress = ConsoleProgress(t.steps, start_step, enabled=console)
+    ledger = model.ctx.comm.ledger
+    metrics = MetricsLog(run_dir / METRICS_FILE) if rank == 0 else None
+    progress = ConsoleProgress(t.steps, start_step, enabled=console and rank == 0)
     if start_step:
         progress.print(f"resumed {run_dir} at step {start_step}")
     last_ckpt: Path | None = None
@@ -171,6 +246,7 @@ def _run(
     try:
         for step in range(start_step + 1, t.steps + 1):
             started = time.perf_counter()
+            ledger.reset()
             lr = lr_at(step - 1, t)
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
@@ -182,7 +258,7 @@ def _run(
                 (loss / t.grad_accum).backward()
                 total += loss.detach()
             loss_value = total.item() / t.grad_accum
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), _clip(t)))
+            grad_norm = clip_gradients(model, t.grad_clip, misc)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 kept = str(last_ckpt or newest_checkpoint(run_dir / "checkpoints") or "none")
                 raise TrainingDiverged(
@@ -208,21 +284,27 @@ def _run(
                     "step_time_s": step_time,
                     "tokens": step * tokens_per_step,
                     "flops_per_s": flops_tok * tokens_per_step / step_time,
+                    **ledger.step_metrics("comm_tp", group="tp"),
                 }
-                metrics.write(row)
+                if metrics is not None:
+                    metrics.write(row)
                 window_time, window_steps = 0.0, 0
             if step % t.eval_every == 0 or step == t.steps:
                 val_loss = evaluate(model, val_data, device, autocast)
-                metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                if metrics is not None:
+                    metrics.write(
+                        {"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
+                    )
                 progress.print(
                     f"step {step:>6}  val_loss {val_loss:.4f}  ppl {math.exp(val_loss):.1f}"
                 )
             if step % t.ckpt_every == 0 or step == t.steps:
-                last_ckpt = _save(cfg, run_dir, step, model, optimizer, loader)
+                last_ckpt = _save(cfg, run_dir, step, model, optimizer, loader, rank)
             progress.update(step, row)
     finally:
         progress.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     if val_loss is not None:
         progress.print(
             f"done: step {t.steps}, loss {loss_value:.4f}, val_loss {val_loss:.4f}, run {run_dir}"
@@ -232,7 +314,7 @@ def _run(
 
 @torch.no_grad()
 def evaluate(
-    model: LlamaModel,
+    model: TensorParallelModel,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     autocast,
@@ -250,15 +332,22 @@ def _save(
     cfg: RunConfig,
     run_dir: Path,
     step: int,
-    model: LlamaModel,
+    model: TensorParallelModel,
     optimizer: torch.optim.Optimizer,
     loader: BatchLoader,
-) -> Path:
-    state = model.state_dict()
-    if cfg.model.tie_embeddings:
-        state.pop("lm_head.weight")  # shared with embed_tokens; safetensors stores it once
+    rank: int,
+) -> Path | None:
+    """Gather full-shape weights and optimizer state (every rank), rank 0 writes them.
+
+    The files are identical whatever the TP layout, so export and resume need not know it.
+    Tied embeddings store ``embed_tokens`` once (safetensors refuses shared storage).
+    """
+    state = model.full_state_dict()
+    optim_state = full_optimizer_state(model, optimizer)
+    if rank != 0:
+        return None
     trainer = {
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optim_state,
         "loader": loader.state_dict(),
         "rng": {
             "cpu": torch.get_rng_state(),
@@ -274,10 +363,6 @@ def _save(
         extra_files={TOKENIZER_FILE: run_dir / TOKENIZER_FILE},
         keep=cfg.train.keep_checkpoints,
     )
-
-
-def _clip(t) -> float:
-    return t.grad_clip if t.grad_clip > 0 else float("inf")
 
 
 def _write_atomic(path: Path, text: str) -> None:

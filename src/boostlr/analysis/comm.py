@@ -1,0 +1,99 @@
+"""Exact per-step tensor-parallel communication of each strategy (DESIGN.md §2–§3).
+
+These formulas mirror the collectives the strategies issue, call for call; the tests check
+them against the communication ledger of real gloo runs, so they can be trusted for
+planning runs that are too large to execute here. Counts are per rank and per micro-batch
+step (forward + backward, plus the checkpoint re-forward), as payload elements and calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from boostlr.config import ModelConfig
+from boostlr.models.llama import linear_shapes
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """Elements and calls per phase for one rank and one micro-batch."""
+
+    fwd: int
+    bwd: int
+    recompute: int
+    calls_fwd: int
+    calls_bwd: int
+    calls_recompute: int
+
+    @property
+    def elements(self) -> int:
+        return self.fwd + self.bwd + self.recompute
+
+    @property
+    def calls(self) -> int:
+        return self.calls_fwd + self.calls_bwd + self.calls_recompute
+
+    def bytes(self, element_size: int = 4) -> dict[str, int]:
+        return {
+            "comm_tp_bytes": self.elements * element_size,
+            "comm_tp_calls": self.calls,
+            "comm_tp_bytes_fwd": self.fwd * element_size,
+            "comm_tp_bytes_bwd": self.bwd * element_size,
+            "comm_tp_bytes_recompute": self.recompute * element_size,
+        }
+
+
+def tp_comm_volume(
+    cfg: ModelConfig,
+    strategy: str,
+    tp: int,
+    tokens: int,
+    norm: str = "online",
+    grouping: bool = True,
+    act_ckpt: str = "none",
+) -> CommVolume:
+    """Per-step TP traffic of ``strategy`` for a micro-batch of ``tokens`` tokens."""
+    if tp == 1:
+        return CommVolume(0, 0, 0, 0, 0, 0)
+    T, d, L = tokens, cfg.dim, cfg.n_layers
+    ce_fwd, ce_calls = 3 * T, 3  # max, sum of exps, target logit: each [T]
+    if strategy == "megatron":
+        block_fwd, block_calls_fwd = 2 * T * d, 2
+        block_bwd, block_calls_bwd = 2 * T * d, 2
+        fwd = T * d + L * block_fwd + ce_fwd  # + vocab-parallel embedding all-reduce
+        calls_fwd = 1 + L * block_calls_fwd + ce_calls
+        bwd = L * block_bwd + T * d  # + the LM head's input grad
+        calls_bwd = L * block_calls_bwd + 1
+    elif strategy == "vanilla":
+        shapes = linear_shapes(cfg).values()
+        lax = cfg.arch == "lax"
+        block_fwd = T * sum(d_out for _, d_out in shapes) + (7 * T * cfg.rank if lax else 0)
+        block_calls_fwd = 7 + (7 if lax else 0)
+        # copy_to_group on each distinct A input: norm(x) twice, attention out, MLP product.
+        block_bwd = T * (3 * d + cfg.ffn_dim) + (7 * T * cfg.rank if lax else 0)
+        block_calls_bwd = 4 + (7 if lax else 0)
+        fwd = T * d + L * block_fwd + ce_fwd
+        calls_fwd = 1 + L * block_calls_fwd + ce_calls
+        bwd = L * block_bwd + T * d
+        calls_bwd = L * block_calls_bwd + 1
+    elif strategy == "btp":
+        r = cfg.rank
+        block_fwd = T * 7 * r + 2 * T  # seven [T, r] latents + two [T, 1] norm statistics
+        block_bwd = T * 7 * r
+        if grouping:
+            block_calls_fwd, block_calls_bwd = 4, 4
+        else:
+            block_calls_fwd, block_calls_bwd = 7, 7
+        if norm == "sync":
+            block_calls_fwd += 2  # the statistics travel on their own
+        fwd = L * block_fwd + T * d + d + ce_fwd  # + gather last hidden and final norm gain
+        calls_fwd = L * block_calls_fwd + 2 + ce_calls
+        bwd = L * block_bwd + T * d + d  # reduce-scatter of both gathers
+        calls_bwd = L * block_calls_bwd + 2
+    else:
+        raise ValueError(f"unknown TP strategy {strategy!r}")
+    if act_ckpt == "block":  # the whole block re-forward re-issues its collectives
+        recompute, calls_recompute = L * block_fwd, L * block_calls_fwd
+    else:  # "none", or "lowrank" whose regions hold no collective
+        recompute, calls_recompute = 0, 0
+    return CommVolume(fwd, bwd, recompute, calls_fwd, calls_bwd, calls_recompute)

@@ -1,0 +1,76 @@
+"""Start ranks: in-process through torch's elastic launcher, or join torchrun/srun's.
+
+``boostlr train --parallel.nproc N`` calls :func:`launch`, the machinery behind torchrun,
+without a shell-out. When the process was itself started by torchrun (or srun with the
+usual variables), :func:`under_launcher` is true and the ranks already exist.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from boostlr.errors import BoostlrError
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _from_slurm() -> None:
+    """Map srun's variables to torch's when torchrun is not in the middle."""
+    if under_launcher() or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+
+
+def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks; returns each rank's result."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"boostlr-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # children inherit it before importing torch
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def init_distributed(device: torch.device, expected_world: int, timeout_s: float = 600) -> None:
+    """Join the default process group (gloo on CPU, NCCL on CUDA)."""
+    _from_slurm()
+    world = int(os.environ["WORLD_SIZE"])
+    if world != expected_world:
+        raise BoostlrError(
+            f"the launcher started {world} ranks but the config needs {expected_world} "
+            f"(parallel.tp): start {expected_world} ranks or change --parallel.tp"
+        )
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+    )
