@@ -17,7 +17,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torch.profiler import ProfilerActivity, profile
 
-from boostlr.analysis.comm import tp_comm_volume
+from boostlr.analysis.comm import per_block_forward, tp_comm_volume
 from boostlr.config import ModelConfig, build_config
 from boostlr.models.llama import build_model
 from boostlr.parallel.collectives import CommLedger, GroupComm
@@ -172,9 +172,7 @@ def test_btp_moves_fewer_bytes_than_vanilla_and_megatron() -> None:
     tokens = 4 * 4096
 
     def per_block(cfg: ModelConfig, strategy: str) -> int:
-        two = tp_comm_volume(cfg.__class__(**{**cfg.__dict__, "n_layers": 2}), strategy, 8, tokens)
-        one = tp_comm_volume(cfg.__class__(**{**cfg.__dict__, "n_layers": 1}), strategy, 8, tokens)
-        return two.fwd - one.fwd
+        return per_block_forward(cfg, strategy, 8, tokens)
 
     btp, vanilla, megatron = (
         per_block(cola, "btp"),

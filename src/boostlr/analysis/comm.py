@@ -8,7 +8,7 @@ step (forward + backward, plus the checkpoint re-forward), as payload elements a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from boostlr.config import ModelConfig
 from boostlr.models.llama import linear_shapes
@@ -97,3 +97,10 @@ def tp_comm_volume(
     else:  # "none", or "lowrank" whose regions hold no collective
         recompute, calls_recompute = 0, 0
     return CommVolume(fwd, bwd, recompute, calls_fwd, calls_bwd, calls_recompute)
+
+
+def per_block_forward(cfg: ModelConfig, strategy: str, tp: int, tokens: int, **options) -> int:
+    """Forward elements of one block alone (the DESIGN's per-block comparison)."""
+    two = tp_comm_volume(replace(cfg, n_layers=2), strategy, tp, tokens, **options)
+    one = tp_comm_volume(replace(cfg, n_layers=1), strategy, tp, tokens, **options)
+    return two.fwd - one.fwd
