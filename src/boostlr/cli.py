@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from boostlr.errors import BoostlrError, TrainingDiverged
 
 EXIT_BAD_INPUT = 2
@@ -179,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except TrainingDiverged as exc:
         print(f"boostlr: training diverged: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except ChildFailedError as exc:
+        ranks = ", ".join(str(f.local_rank) for f in exc.failures.values())
+        print(
+            f"boostlr: training failed on rank(s) {ranks} (their errors are above)", file=sys.stderr
+        )
         return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("boostlr: interrupted", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
-from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
+from boostlr.errors import BoostlrError, CheckpointError, ConfigError, TrainingDiverged
 from boostlr.models.counting import flops_per_token
 from boostlr.models.llama import build_model
 from boostlr.parallel.collectives import CommLedger, GroupComm
@@ -126,6 +127,9 @@ def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bo
     init_distributed(device, cfg.parallel.world_size)
     try:
         return _train_rank(cfg, Path(run_dir), ckpt_path, console, device)
+    except (BoostlrError, TrainingDiverged) as exc:  # every rank reports its own error
+        print(f"boostlr: rank {dist.get_rank()}: {exc}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 
