@@ -11,7 +11,6 @@ loaded back with :func:`load_pretrained`.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from tokenizers import Tokenizer
 from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
 from boostlr.data.tokenizer import eos_id, load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
+from boostlr.fsutil import replace_dir
 from boostlr.models.llama import LlamaModel, build_model
 from boostlr.train.checkpoint import META_FILE, MODEL_FILE, open_checkpoint
 
@@ -115,7 +115,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
         save_file(tensors, tmp / MODEL_FILE, metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -197,19 +197,3 @@ def _check_out_dir(out_dir: Path) -> None:
         raise BoostlrError(
             f"--out {out_dir} is not empty and not an earlier export: pass a new --out directory"
         )
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` into ``target``'s place; an existing ``target`` is removed only after."""
-    if not target.exists():
-        os.rename(new, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rename(target, old / target.name)
-    try:
-        os.rename(new, target)
-    except BaseException:
-        os.rename(old / target.name, target)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)

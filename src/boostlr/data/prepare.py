@@ -37,6 +37,7 @@ from boostlr.data.corpus import (
 )
 from boostlr.data.tokenizer import eos_id, resolve_tokenizer
 from boostlr.errors import DataError
+from boostlr.fsutil import fsync_dir, fsync_file, replace_dir, sha256_file
 
 FORMAT = "boostlr-tokens"
 FORMAT_VERSION = 1
@@ -79,7 +80,7 @@ def prepare_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tok.save(str(tmp / TOKENIZER_FILE))
-        _fsync(tmp / TOKENIZER_FILE)
+        fsync_file(tmp / TOKENIZER_FILE)
         writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
         with _progress_bar(progress, n_docs) as advance:
             for index, ids in _encode(tok, documents(), eos, dtype):
@@ -100,8 +101,8 @@ def prepare_dataset(
             "splits": {split: w.close() for split, w in writers.items()},
         }
         _write_json(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
-        _swap_into_place(tmp, out)
+        fsync_dir(tmp)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -266,41 +267,6 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames/creations in ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and deleted after."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old / out.name, out)
-        raise
-    finally:
-        _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def load_manifest(path: str | Path) -> dict[str, Any]:
     """Read ``manifest.json`` of the dataset directory ``path``."""
     directory = Path(path).expanduser()
@@ -362,16 +328,8 @@ def _validate_shard(
         raise DataError(
             f"shard {file} has {file.stat().st_size} bytes, expected {expected}; {rebuild}"
         )
-    if check_checksums and _sha256(file) != shard["sha256"]:
+    if check_checksums and sha256_file(file) != shard["sha256"]:
         raise DataError(f"shard {file} fails its sha256 checksum (corrupt); {rebuild}")
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def default_cache_dir() -> Path:

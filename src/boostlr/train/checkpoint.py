@@ -8,7 +8,6 @@ crash at any point leaves either the previous checkpoints untouched plus a stray
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from boostlr.errors import CheckpointError
+from boostlr.fsutil import fsync_dir, fsync_file, sha256_file
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -63,16 +63,16 @@ def save_checkpoint(
             shutil.copyfile(source, tmp / name)
         files = {}
         for name in (MODEL_FILE, TRAINER_FILE, *(extra_files or {})):
-            _fsync(tmp / name)
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            fsync_file(tmp / name)
+            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         full_meta = {"format": FORMAT_VERSION, "step": step, "files": files, **meta}
         (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2))
-        _fsync(tmp / META_FILE)
-        _fsync_dir(tmp)
+        fsync_file(tmp / META_FILE)
+        fsync_dir(tmp)
         if final.exists():  # an older save of the same step (e.g. a re-run after resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_root)
+        fsync_dir(ckpt_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -140,7 +140,7 @@ def _read_valid_meta(path: Path, verify_hashes: bool) -> dict[str, Any] | None:
             file = path / name
             if not file.is_file() or file.stat().st_size != info["size"]:
                 return None
-            if verify_hashes and _sha256(file) != info["sha256"]:
+            if verify_hashes and sha256_file(file) != info["sha256"]:
                 return None
         return meta
     except (OSError, ValueError, KeyError, TypeError):
@@ -150,24 +150,3 @@ def _read_valid_meta(path: Path, verify_hashes: bool) -> dict[str, Any] | None:
 def _remove_stale_temp_dirs(ckpt_root: Path) -> None:
     for child in ckpt_root.glob(".tmp-step_*"):
         shutil.rmtree(child, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -7,7 +7,6 @@ moments, data position, RNG); the learning-rate schedule is a pure function of t
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 import time
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.errors import BoostlrError, CheckpointError, ConfigError, TrainingDiverged
+from boostlr.fsutil import write_text_atomic
 from boostlr.models.counting import flops_per_token
 from boostlr.models.llama import build_model
 from boostlr.parallel.collectives import CommLedger, GroupComm
@@ -162,7 +162,7 @@ def _write_run_dir(cfg: RunConfig, run_dir: Path, dataset: TokenDataset) -> None
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / TOKENIZER_FILE).exists():
         shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
-    _write_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
+    write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
 
 
 def _train_rank(
@@ -367,9 +367,3 @@ def _save(
         extra_files={TOKENIZER_FILE: run_dir / TOKENIZER_FILE},
         keep=cfg.train.keep_checkpoints,
     )
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from boostlr.fsutil import write_text_atomic
 
 
 class MetricsLog:
@@ -43,9 +44,7 @@ def truncate_after(path: Path, step: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if line.strip() and json.loads(line).get("step", 0) <= step
     ]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _finite_or_str(row: dict[str, Any]) -> dict[str, Any]:
