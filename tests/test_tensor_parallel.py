@@ -29,8 +29,11 @@ BATCH, SEQ = 2, 8
 TOL = 2e-5  # max |g - g_ref| / max |g_ref| per tensor: fp32 reduction-order noise
 
 
-def tiny_cfg(arch: str, n_kv_heads: int, lax_gate: str = "factored") -> ModelConfig:
+def tiny_cfg(
+    arch: str, n_kv_heads: int, lax_gate: str = "factored", tie: bool = False
+) -> ModelConfig:
     overrides = [("model.preset", "tiny"), ("model.arch", arch), ("model.lax_gate", lax_gate)]
+    overrides.append(("model.tie_embeddings", str(tie)))
     cfg = build_config(overrides=overrides + [("model.n_kv_heads", str(n_kv_heads))]).model
     cfg.vocab_size = VOCAB
     return cfg
@@ -64,6 +67,11 @@ def matrix(tp: int) -> list[dict]:
             )
     cases.append(dict(arch="lax", strategy="btp", lax_gate="full", act_ckpt="lowrank"))
     cases.append(dict(arch="lax", strategy="vanilla", lax_gate="full", act_ckpt="none"))
+    cases.append(dict(arch="full", strategy="megatron", tie=True, act_ckpt="none"))
+    cases.append(dict(arch="cola", strategy="vanilla", tie=True, act_ckpt="block"))
+    if tp == 1:  # the plain model, as the trainer runs it at TP 1
+        cases.append(dict(arch="lax", strategy=None, tie=True, act_ckpt="block"))
+        cases.append(dict(arch="cola", strategy=None, act_ckpt="none"))
     for case in cases:
         case["n_kv_heads"] = 2 if tp == 2 else 4  # GQA where the degree allows it
     return cases
@@ -71,7 +79,9 @@ def matrix(tp: int) -> list[dict]:
 
 def check_case(case: dict, comm: GroupComm) -> dict:
     """Run one configuration on this rank; return a small, picklable report."""
-    cfg = tiny_cfg(case["arch"], case["n_kv_heads"], case.get("lax_gate", "factored"))
+    cfg = tiny_cfg(
+        case["arch"], case["n_kv_heads"], case.get("lax_gate", "factored"), case.get("tie", False)
+    )
     state = perturbed_state(cfg)
     inputs, targets = batch()
 
@@ -96,6 +106,8 @@ def check_case(case: dict, comm: GroupComm) -> dict:
     loss.backward()
     measured = comm.ledger.step_metrics()
 
+    if cfg.tie_embeddings:  # the tie must survive sharding
+        assert tp_model.model.lm_head.weight is tp_model.model.embed_tokens.weight
     grads = tp_model.full_grads()
     worst = max(
         ((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()

@@ -67,12 +67,20 @@ def unshard_tensor(
 def shard_module(
     model: nn.Module, specs: dict[str, ShardSpec], rank: int, tp: int
 ) -> dict[str, torch.Size]:
-    """Replace every parameter by its shard in place; returns the full shapes by name."""
-    full_shapes = {}
-    for name, param in list(model.named_parameters()):
-        full_shapes[name] = param.shape
+    """Replace every parameter by its shard in place; returns the full shapes by name.
+
+    A parameter shared by several modules (tied embeddings) is sharded once and the same
+    new parameter is put back in every place, so the tie survives.
+    """
+    full_shapes: dict[str, torch.Size] = {}
+    replaced: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if id(param) not in replaced:
+            full_shapes[name] = param.shape
+            shard = shard_tensor(param.data, specs[name], rank, tp)
+            replaced[id(param)] = nn.Parameter(shard, requires_grad=param.requires_grad)
         owner, attr = _owner(model, name)
-        setattr(owner, attr, nn.Parameter(shard_tensor(param.data, specs[name], rank, tp)))
+        setattr(owner, attr, replaced[id(param)])
     return full_shapes
 
 
