@@ -3,7 +3,7 @@
 These formulas mirror the collectives the strategies issue, call for call; the tests check
 them against the communication ledger of real gloo runs, so they can be trusted for
 planning runs that are too large to execute here. Counts are per rank and per micro-batch
-step (forward + backward, plus the checkpoint re-forward), as payload elements and calls.
+(forward + backward, plus the checkpoint re-forward), as payload bytes and calls.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from boostlr.models.llama import linear_shapes
 
 @dataclass(frozen=True)
 class CommVolume:
-    """Elements and calls per phase for one rank and one micro-batch."""
+    """Payload bytes and calls per phase for one rank and one micro-batch."""
 
     fwd: int
     bwd: int
@@ -26,21 +26,26 @@ class CommVolume:
     calls_recompute: int
 
     @property
-    def elements(self) -> int:
+    def total(self) -> int:
         return self.fwd + self.bwd + self.recompute
 
     @property
     def calls(self) -> int:
         return self.calls_fwd + self.calls_bwd + self.calls_recompute
 
-    def bytes(self, element_size: int = 4) -> dict[str, int]:
+    def metrics(self, micro_batches: int = 1) -> dict[str, int]:
+        """The ``comm_tp_*`` entries of a metrics row (a step has ``micro_batches``)."""
+        n = micro_batches
         return {
-            "comm_tp_bytes": self.elements * element_size,
-            "comm_tp_calls": self.calls,
-            "comm_tp_bytes_fwd": self.fwd * element_size,
-            "comm_tp_bytes_bwd": self.bwd * element_size,
-            "comm_tp_bytes_recompute": self.recompute * element_size,
+            "comm_tp_bytes": self.total * n,
+            "comm_tp_calls": self.calls * n,
+            "comm_tp_bytes_fwd": self.fwd * n,
+            "comm_tp_bytes_bwd": self.bwd * n,
+            "comm_tp_bytes_recompute": self.recompute * n,
         }
+
+
+FP32 = 4
 
 
 def tp_comm_volume(
@@ -51,44 +56,49 @@ def tp_comm_volume(
     norm: str = "online",
     grouping: bool = True,
     act_ckpt: str = "none",
+    act_size: int = FP32,
 ) -> CommVolume:
-    """Per-step TP traffic of ``strategy`` for a micro-batch of ``tokens`` tokens."""
+    """Per-step TP traffic of ``strategy`` for a micro-batch of ``tokens`` tokens.
+
+    ``act_size`` is the bytes per element of activations in flight (2 under bf16 autocast).
+    The residual-stream collectives (vocab-parallel embedding, BTP's last-hidden gather) and
+    the loss statistics stay fp32, as the fp32 residual and master weights do.
+    """
     if tp == 1:
         return CommVolume(0, 0, 0, 0, 0, 0)
-    T, d, L = tokens, cfg.dim, cfg.n_layers
-    ce_fwd, ce_calls = 3 * T, 3  # max, sum of exps, target logit: each [T]
+    T, d, L, a = tokens, cfg.dim, cfg.n_layers, act_size
+    ce_fwd, ce_calls = 3 * T * FP32, 3  # max, sum of exps, target logit: each [T]
     if strategy == "megatron":
-        block_fwd, block_calls_fwd = 2 * T * d, 2
-        block_bwd, block_calls_bwd = 2 * T * d, 2
-        fwd = T * d + L * block_fwd + ce_fwd  # + vocab-parallel embedding all-reduce
+        block_fwd, block_calls_fwd = 2 * T * d * a, 2
+        block_bwd, block_calls_bwd = 2 * T * d * a, 2
+        fwd = T * d * FP32 + L * block_fwd + ce_fwd  # + vocab-parallel embedding all-reduce
         calls_fwd = 1 + L * block_calls_fwd + ce_calls
-        bwd = L * block_bwd + T * d  # + the LM head's input grad
+        bwd = L * block_bwd + T * d * a  # + the LM head's input grad
         calls_bwd = L * block_calls_bwd + 1
     elif strategy == "vanilla":
         shapes = linear_shapes(cfg).values()
-        lax = cfg.arch == "lax"
-        block_fwd = T * sum(d_out for _, d_out in shapes) + (7 * T * cfg.rank if lax else 0)
-        block_calls_fwd = 7 + (7 if lax else 0)
+        lax_gather = 7 * T * cfg.rank * a if cfg.arch == "lax" else 0
+        lax_calls = 7 if cfg.arch == "lax" else 0
+        block_fwd = T * sum(d_out for _, d_out in shapes) * a + lax_gather
+        block_calls_fwd = 7 + lax_calls
         # copy_to_group on each distinct A input: norm(x) twice, attention out, MLP product.
-        block_bwd = T * (3 * d + cfg.ffn_dim) + (7 * T * cfg.rank if lax else 0)
-        block_calls_bwd = 4 + (7 if lax else 0)
-        fwd = T * d + L * block_fwd + ce_fwd
+        block_bwd = T * (3 * d + cfg.ffn_dim) * a + lax_gather
+        block_calls_bwd = 4 + lax_calls
+        fwd = T * d * FP32 + L * block_fwd + ce_fwd
         calls_fwd = 1 + L * block_calls_fwd + ce_calls
-        bwd = L * block_bwd + T * d
+        bwd = L * block_bwd + T * d * a
         calls_bwd = L * block_calls_bwd + 1
     elif strategy == "btp":
         r = cfg.rank
-        block_fwd = T * 7 * r + 2 * T  # seven [T, r] latents + two [T, 1] norm statistics
-        block_bwd = T * 7 * r
-        if grouping:
-            block_calls_fwd, block_calls_bwd = 4, 4
-        else:
-            block_calls_fwd, block_calls_bwd = 7, 7
+        block_fwd = (T * 7 * r + 2 * T) * a  # seven [T, r] latents + two [T, 1] statistics
+        block_bwd = T * 7 * r * a
+        block_calls_fwd, block_calls_bwd = (4, 4) if grouping else (7, 7)
         if norm == "sync":
             block_calls_fwd += 2  # the statistics travel on their own
-        fwd = L * block_fwd + T * d + d + ce_fwd  # + gather last hidden and final norm gain
+        final = (T * d + d) * FP32  # gather of the last hidden state and the final norm gain
+        fwd = L * block_fwd + final + ce_fwd
         calls_fwd = L * block_calls_fwd + 2 + ce_calls
-        bwd = L * block_bwd + T * d + d  # reduce-scatter of both gathers
+        bwd = L * block_bwd + final  # their reduce-scatters
         calls_bwd = L * block_calls_bwd + 2
     else:
         raise ValueError(f"unknown TP strategy {strategy!r}")
@@ -100,7 +110,7 @@ def tp_comm_volume(
 
 
 def per_block_forward(cfg: ModelConfig, strategy: str, tp: int, tokens: int, **options) -> int:
-    """Forward elements of one block alone (the DESIGN's per-block comparison)."""
+    """Forward bytes of one block alone (the DESIGN's per-block comparison)."""
     two = tp_comm_volume(replace(cfg, n_layers=2), strategy, tp, tokens, **options)
     one = tp_comm_volume(replace(cfg, n_layers=1), strategy, tp, tokens, **options)
     return two.fwd - one.fwd

@@ -29,7 +29,7 @@ from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, m
 from boostlr.models.lowrank import LowRankLinear
 from boostlr.models.norm import rms_norm
 from boostlr.parallel.collectives import copy_to_group, gather_from_group, reduce_from_group
-from boostlr.parallel.context import TPContext
+from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.sharding import REPLICATED, ShardSpec, padded_size
 from boostlr.parallel.vocab import vocab_parallel_cross_entropy
 
@@ -79,7 +79,8 @@ def _norm_down_partial(x: Tensor, gain: Tensor, downs: list[Tensor]) -> tuple[Te
     """
     x32 = x.float()
     ss = x32.pow(2).sum(-1, keepdim=True)
-    local_rms = torch.sqrt(ss / x.shape[-1] + 1e-12)
+    # A constant scale (its gradient terms cancel exactly), so it is detached.
+    local_rms = torch.sqrt(ss / x.shape[-1] + 1e-12).detach()
     y = gain * (x32 / local_rms).to(x.dtype)
     return (ss, *(F.linear(y, a).float() * local_rms for a in downs))
 
@@ -87,8 +88,12 @@ def _norm_down_partial(x: Tensor, gain: Tensor, downs: list[Tensor]) -> tuple[Te
 def _reduce_norm_down(
     parts: tuple[Tensor, ...], dim: int, eps: float, ctx: TPContext, tag: str
 ) -> list[Tensor]:
-    """All-reduce the partials (stats riding along unless ``norm=sync``), then normalise."""
-    ss, partials = parts[0], list(parts[1:])
+    """All-reduce the partials (stats riding along unless ``norm=sync``), then normalise.
+
+    The payload travels in the compute dtype (bf16 under autocast, statistics included, as
+    DESIGN's byte counts assume); the normalisation itself is done in fp32.
+    """
+    ss, partials = wire(parts[0]), [wire(p) for p in parts[1:]]
     sizes = [p.shape[-1] for p in partials]
     comm = ctx.comm
     if ctx.norm == "sync":
@@ -106,8 +111,8 @@ def _reduce_norm_down(
         partials[1:] = [
             reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials[1:], 1)
         ]
-    inv_rms = torch.rsqrt(ss / dim + eps)
-    return [p * inv_rms for p in partials]
+    inv_rms = torch.rsqrt(ss.float() / dim + eps)
+    return [p.float() * inv_rms for p in partials]
 
 
 # ------------------------------------------------------------------------ latents + up-proj
@@ -126,6 +131,7 @@ def _latents(
 
 def _enter_region(hs: list[Tensor], ctx: TPContext, tag: str) -> list[Tensor]:
     """Identity forward; the backward all-reduces B's partial input grads (one per group)."""
+    hs = [wire(h) for h in hs]
     if ctx.grouping and len(hs) > 1:
         joined = copy_to_group(torch.cat(hs, -1), ctx.comm, f"{tag}.latent")
         return list(joined.split([h.shape[-1] for h in hs], -1))

@@ -7,10 +7,23 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from boostlr.config import ModelConfig
 from boostlr.parallel.collectives import GroupComm
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """Cast an activation to the autocast dtype before it (or its gradient) is communicated.
+
+    Under bf16 autocast the residual stream and norm outputs stay fp32; without this cast
+    their collectives would move twice the bytes of a bf16 run. fp32 runs are unchanged.
+    """
+    device = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(device):
+        return t.to(torch.get_autocast_dtype(device))
+    return t
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,20 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _from_slurm() -> None:
-    """Map srun's variables to torch's when torchrun is not in the middle."""
-    if under_launcher() or "SLURM_PROCID" not in os.environ:
+def adopt_slurm_env() -> None:
+    """Map srun's variables to torch's when torchrun is not in the middle.
+
+    Call before :func:`under_launcher`, so ``srun -n N boostlr train ...`` joins the N tasks
+    instead of each launching its own ranks. The rendezvous defaults to the node srun was
+    started from, port 29500; set MASTER_ADDR / MASTER_PORT to override.
+    """
+    if under_launcher() or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
         return
-    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
-    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+    os.environ.setdefault("MASTER_PORT", "29500")
 
 
 def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
@@ -46,7 +53,7 @@ def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, 
         monitor_interval=0.2,
         start_method="spawn",
     )
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # children inherit it before importing torch
     try:
@@ -60,7 +67,7 @@ def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, 
 
 def init_distributed(device: torch.device, expected_world: int, timeout_s: float = 600) -> None:
     """Join the default process group (gloo on CPU, NCCL on CUDA)."""
-    _from_slurm()
+    adopt_slurm_env()
     world = int(os.environ["WORLD_SIZE"])
     if world != expected_world:
         raise BoostlrError(

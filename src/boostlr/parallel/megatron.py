@@ -12,7 +12,7 @@ from torch import Tensor
 from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
 from boostlr.parallel.collectives import copy_to_group, reduce_from_group
-from boostlr.parallel.context import TPContext
+from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.sharding import REPLICATED, ShardSpec, padded_size
 from boostlr.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
@@ -43,7 +43,7 @@ def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
 
 def head_loss(model: LlamaModel, x: Tensor, targets: Tensor, ctx: TPContext) -> Tensor:
     """Final norm on the replicated stream, vocab-parallel logits and loss."""
-    h = copy_to_group(model.norm(x), ctx.comm, "head_in")
+    h = copy_to_group(wire(model.norm(x)), ctx.comm, "head_in")
     logits = F.linear(h, model.lm_head.weight)
     return vocab_parallel_cross_entropy(
         logits.flatten(0, 1), targets.flatten(), model.cfg.vocab_size, ctx.comm
@@ -54,11 +54,11 @@ def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents | None]:
     attn, mlp, comm = block.self_attn, block.mlp, ctx.comm
-    h = copy_to_group(block.input_layernorm(x), comm, "attn_in")
+    h = copy_to_group(wire(block.input_layernorm(x)), comm, "attn_in")
     q, k, v = (F.linear(h, getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj"))
     out = causal_attention(q, k, v, rope, attn.head_dim)
     x = x + reduce_from_group(F.linear(out, attn.o_proj.weight), comm, "o_proj")
-    h = copy_to_group(block.post_attention_layernorm(x), comm, "mlp_in")
+    h = copy_to_group(wire(block.post_attention_layernorm(x)), comm, "mlp_in")
     prod = mlp_product(F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight), mlp.form)
     x = x + reduce_from_group(F.linear(prod, mlp.down_proj.weight), comm, "down_proj")
     return x, None

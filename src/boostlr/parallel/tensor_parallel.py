@@ -116,19 +116,22 @@ class TensorParallelModel(nn.Module):
         return shard_tensor(full, self.specs[name], self.ctx.comm.rank, self.ctx.comm.size)
 
     def grad_norm(self, misc: GroupComm) -> Tensor:
-        """Global L2 norm of the gradients: sharded squares summed over TP, replicas once."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for name, p in self.named_shards():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum().cpu()
+        """Global L2 norm of the gradients: sharded squares summed over TP, replicas once.
+
+        Accumulated on the gradients' device (NCCL cannot reduce CPU tensors).
+        """
+        grads = [(n, p.grad) for n, p in self.named_shards() if p.grad is not None]
+        device = grads[0][1].device if grads else torch.device("cpu")
+        sharded = torch.zeros((), dtype=torch.float32, device=device)
+        replicated = torch.zeros((), dtype=torch.float32, device=device)
+        for name, grad in grads:
+            sq = grad.detach().float().pow(2).sum()
             if self.specs[name].dim is None:
                 replicated += sq
             else:
                 sharded += sq
         all_reduce_(sharded, misc, "grad_norm")
-        return (sharded + replicated).sqrt().float()
+        return (sharded + replicated).sqrt()
 
 
 def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm) -> float:
@@ -156,7 +159,7 @@ def full_optimizer_state(model: TensorParallelModel, optimizer: torch.optim.Opti
             key: (
                 unshard_tensor(value, model.specs[name], model._full_size(name), model.ctx.comm)
                 if torch.is_tensor(value) and value.shape == param.shape
-                else value
+                else (value.detach().clone() if torch.is_tensor(value) else value)
             )
             for key, value in entries.items()
         }

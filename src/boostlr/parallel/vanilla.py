@@ -22,7 +22,7 @@ from boostlr.parallel.collectives import (
     reduce_from_group,
     scatter_to_group,
 )
-from boostlr.parallel.context import TPContext
+from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
 # The dense parts (embedding, LM head, loss) are Megatron's vocab-parallel ones.
@@ -49,7 +49,7 @@ def lowrank_linear(
     if isinstance(lin, LaxLinear):
         a_full = gather_from_group(a, ctx.comm, f"{tag}.latent")
         h_full, z = lin.latent(a_full, z_prev)
-        h = scatter_to_group(h_full, ctx.comm, f"{tag}.latent")
+        h = scatter_to_group(wire(h_full), ctx.comm, f"{tag}.latent")
     else:
         h, z = lin.latent(a, None)
     return reduce_from_group(F.linear(h, lin.up.weight), ctx.comm, tag), z
@@ -61,16 +61,16 @@ def block_forward(
     attn, mlp, comm = block.self_attn, block.mlp, ctx.comm
     zp = z_prev or {}
     z: Latents = {}
-    h = copy_to_group(block.input_layernorm(x), comm, "attn_in")
+    h = copy_to_group(wire(block.input_layernorm(x)), comm, "attn_in")
     q, z["q_proj"] = lowrank_linear(attn.q_proj, h, zp.get("q_proj"), ctx, "q_proj")
     k, z["k_proj"] = lowrank_linear(attn.k_proj, h, zp.get("k_proj"), ctx, "k_proj")
     v, z["v_proj"] = lowrank_linear(attn.v_proj, h, zp.get("v_proj"), ctx, "v_proj")
-    out = copy_to_group(causal_attention(q, k, v, rope, attn.head_dim), comm, "o_in")
+    out = copy_to_group(wire(causal_attention(q, k, v, rope, attn.head_dim)), comm, "o_in")
     o, z["o_proj"] = lowrank_linear(attn.o_proj, out, zp.get("o_proj"), ctx, "o_proj")
     x = x + o
-    h = copy_to_group(block.post_attention_layernorm(x), comm, "mlp_in")
+    h = copy_to_group(wire(block.post_attention_layernorm(x)), comm, "mlp_in")
     g, z["gate_proj"] = lowrank_linear(mlp.gate_proj, h, zp.get("gate_proj"), ctx, "gate_proj")
     u, z["up_proj"] = lowrank_linear(mlp.up_proj, h, zp.get("up_proj"), ctx, "up_proj")
-    prod = copy_to_group(mlp_product(g, u, mlp.form), comm, "down_in")
+    prod = copy_to_group(wire(mlp_product(g, u, mlp.form)), comm, "down_in")
     d, z["down_proj"] = lowrank_linear(mlp.down_proj, prod, zp.get("down_proj"), ctx, "down_proj")
     return x + d, z

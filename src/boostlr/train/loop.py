@@ -25,7 +25,7 @@ from boostlr.models.counting import flops_per_token
 from boostlr.models.llama import build_model
 from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.parallel.context import TPContext
-from boostlr.parallel.launch import init_distributed, launch, under_launcher
+from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
 from boostlr.parallel.tensor_parallel import (
     TensorParallelModel,
     clip_gradients,
@@ -92,6 +92,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     train_ds, _ = open_datasets(cfg)
     bind_vocab(cfg, train_ds)
     world = cfg.parallel.world_size
+    adopt_slurm_env()
     if under_launcher():
         return _train_under_launcher(cfg, run_dir, resume, console, device, train_ds)
     ckpt = _check_run_dir(cfg, run_dir, resume)
