@@ -27,8 +27,9 @@ def vocab_specs(cfg: ModelConfig, tp: int) -> dict[str, ShardSpec]:
 
 
 def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
-    if name in vocab_specs(cfg, tp):
-        return vocab_specs(cfg, tp)[name]
+    vocab = vocab_specs(cfg, tp)
+    if name in vocab:
+        return vocab[name]
     linear = name.split(".")[-2] if name.endswith(".weight") else ""
     if linear in COLUMN:
         return ShardSpec(0)
