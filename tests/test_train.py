@@ -181,3 +181,18 @@ def test_vocab_too_small_is_rejected(small_dataset: Path, tmp_path: Path) -> Non
             console=False,
         )
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_skips_a_corrupted_newest_checkpoint(
+    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    loop.train(tiny_run_config(small_dataset), run, console=False)
+    model_file = run / "checkpoints" / "step_6" / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum can tell
+    model_file.write_bytes(bytes(data))
+    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    assert "skipping corrupted checkpoint" in capsys.readouterr().err
+    assert train_rows(run)[6] == train_rows(run)[6]  # steps 4-6 re-done from step_3
+    assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]

@@ -106,3 +106,19 @@ def test_bad_layouts_fail_before_any_process_group(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert not dist.is_initialized() and not run.exists()
+
+
+def test_a_diverging_tp_run_exits_1_with_each_ranks_message(
+    small_dataset: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--quiet", "--model.preset", "tiny"]
+    args += ["--data.path", str(small_dataset), "--data.seq_len", "32", "--parallel.tp", "2"]
+    args += ["--train.lr", "1e12", "--train.warmup", "0", "--train.grad_clip", "0"]
+    code = main(args)
+    err = capfd.readouterr().err  # the ranks write to the inherited stderr descriptor
+    assert code == 1, err
+    lines = [x for x in err.splitlines() if x.startswith("boostlr: rank")]
+    assert lines and all("training diverged" in x and "is not finite" in x for x in lines)
+    assert "training failed on rank(s)" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err

@@ -13,10 +13,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from boostlr.errors import BoostlrError, TrainingDiverged
-
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 1
+from boostlr.errors import EXIT_BAD_INPUT, EXIT_FAILED, BoostlrError, TrainingDiverged
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except TrainingDiverged as exc:
         print(f"boostlr: training diverged: {exc}", file=sys.stderr)
-        return EXIT_DIVERGED
-    except ChildFailedError as exc:
-        ranks = ", ".join(str(f.local_rank) for f in exc.failures.values())
-        print(
-            f"boostlr: training failed on rank(s) {ranks} (their errors are above)", file=sys.stderr
-        )
-        return EXIT_DIVERGED
+        return EXIT_FAILED
+    except ChildFailedError as exc:  # each rank has printed its own error already
+        failures = exc.failures.values()
+        ranks = ", ".join(str(f.local_rank) for f in failures)
+        print(f"boostlr: training failed on rank(s) {ranks} (errors above)", file=sys.stderr)
+        bad_input = all(f.exitcode == EXIT_BAD_INPUT for f in failures)
+        return EXIT_BAD_INPUT if bad_input else EXIT_FAILED
     except KeyboardInterrupt:
         print("boostlr: interrupted", file=sys.stderr)
         return 130

@@ -5,6 +5,9 @@ checkpoint, world size). The CLI prints its one-line message and exits with code
 message must name both the problem and the fix.
 """
 
+EXIT_BAD_INPUT = 2  # a BoostlrError: the input is wrong, nothing was started or written
+EXIT_FAILED = 1  # training started and failed (diverged, or a rank crashed)
+
 
 class BoostlrError(Exception):
     """Bad user input: reported as one line, exit code 2."""

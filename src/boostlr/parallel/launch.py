@@ -7,6 +7,7 @@ usual variables), :func:`under_launcher` is true and the ranks already exist.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -56,9 +57,15 @@ def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, 
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # children inherit it before importing torch
+    # The ranks print their own errors (one line, or a traceback for a crash); the agent's
+    # log would repeat each of them as a wall of text.
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    saved_level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)
     try:
         return elastic_launch(config, entrypoint)(*args)
     finally:
+        agent_log.setLevel(saved_level)
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:

@@ -97,8 +97,27 @@ def list_checkpoints(ckpt_root: Path) -> list[Checkpoint]:
 
 
 def newest_checkpoint(ckpt_root: Path) -> Checkpoint | None:
+    """The newest complete checkpoint (file sizes checked, not contents)."""
     ckpts = list_checkpoints(ckpt_root)
     return ckpts[-1] if ckpts else None
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """A checkpoint already verified by the caller (sizes re-checked, contents not rehashed)."""
+    meta = _read_valid_meta(path, verify_hashes=False)
+    if meta is None:
+        raise CheckpointError(f"checkpoint {path} is incomplete: use an earlier checkpoint")
+    return Checkpoint(path, int(meta["step"]), meta)
+
+
+def newest_verified_checkpoint(ckpt_root: Path) -> tuple[Checkpoint | None, list[Path]]:
+    """The newest checkpoint whose checksums verify, and the newer corrupted ones skipped."""
+    skipped = []
+    for ckpt in reversed(list_checkpoints(ckpt_root)):
+        if _read_valid_meta(ckpt.path, verify_hashes=True) is not None:
+            return ckpt, skipped
+        skipped.append(ckpt.path)
+    return None, skipped
 
 
 def open_checkpoint(path: Path) -> Checkpoint:

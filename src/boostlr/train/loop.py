@@ -10,6 +10,7 @@ import math
 import shutil
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,14 @@ import torch.distributed as dist
 
 from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
-from boostlr.errors import BoostlrError, CheckpointError, ConfigError, TrainingDiverged
+from boostlr.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    BoostlrError,
+    CheckpointError,
+    ConfigError,
+    TrainingDiverged,
+)
 from boostlr.fsutil import write_text_atomic
 from boostlr.models.counting import flops_per_token
 from boostlr.models.llama import build_model
@@ -37,7 +45,8 @@ from boostlr.train.checkpoint import (
     load_model_state,
     load_trainer_state,
     newest_checkpoint,
-    open_checkpoint,
+    newest_verified_checkpoint,
+    read_checkpoint,
     save_checkpoint,
 )
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
@@ -126,19 +135,36 @@ def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bo
     cfg = from_dict(cfg_dict)
     device = resolve_device(cfg.parallel.device)
     init_distributed(device, cfg.parallel.world_size)
+    rank = dist.get_rank()
     try:
         return _train_rank(cfg, Path(run_dir), ckpt_path, console, device)
-    except (BoostlrError, TrainingDiverged) as exc:  # every rank reports its own error
-        print(f"boostlr: rank {dist.get_rank()}: {exc}", file=sys.stderr, flush=True)
-        raise
+    except BoostlrError as exc:  # every rank reports its own error, once, in one line
+        print(f"boostlr: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except TrainingDiverged as exc:
+        print(f"boostlr: rank {rank}: training diverged: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILED)
+    except Exception:
+        print(
+            f"boostlr: rank {rank} crashed:\n{traceback.format_exc()}", file=sys.stderr, flush=True
+        )
+        sys.exit(EXIT_FAILED)
     finally:
         dist.destroy_process_group()
+
+
+def _report(message: str) -> None:
+    """One write per message, so lines from concurrent ranks do not interleave."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
 
 
 def _check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> Checkpoint | None:
     """Read-only checks of the run directory; returns the checkpoint to resume from."""
     if resume:
-        ckpt = newest_checkpoint(run_dir / "checkpoints")
+        ckpt, corrupted = newest_verified_checkpoint(run_dir / "checkpoints")
+        for path in corrupted:
+            print(f"boostlr: warning: skipping corrupted checkpoint {path}", file=sys.stderr)
         if ckpt is None:
             raise CheckpointError(
                 f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
@@ -184,7 +210,8 @@ def _train_rank(
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     full = build_model(cfg.model, seed=cfg.train.seed, device="cpu")
-    ckpt = open_checkpoint(Path(ckpt_path)) if ckpt_path else None
+    # Verified by the caller before any rank started; read it as it is.
+    ckpt = read_checkpoint(Path(ckpt_path)) if ckpt_path else None
     if ckpt is not None:
         _load_weights(ckpt, full)
     p = cfg.parallel
