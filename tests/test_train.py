@@ -196,4 +196,5 @@ def test_resume_skips_a_corrupted_newest_checkpoint(
     loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert "skipping corrupted checkpoint" in capsys.readouterr().err
     assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
+    assert open_checkpoint(run / "checkpoints" / "step_6").step == 6  # rewritten, valid again
     assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
