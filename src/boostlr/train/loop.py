@@ -114,7 +114,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
 
 
 def _train_under_launcher(
-    cfg: RunConfig, run_dir: Path, resume: bool, console: bool, device, train_ds: TokenDataset
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    console: bool,
+    device: torch.device,
+    train_ds: TokenDataset,
 ) -> TrainResult:
     """Every rank checks (read-only), then rank 0 writes the run directory."""
     init_distributed(device, cfg.parallel.world_size)
