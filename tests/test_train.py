@@ -132,18 +132,18 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(
 
     def poisoned_build(*args, **kwargs):
         model = real_build(*args, **kwargs)
-        real_forward = model.forward
+        real_head = model.head  # where the loss is computed, whichever path runs the blocks
         count = {"n": 0}
 
-        def forward(tokens, targets=None):
-            loss = real_forward(tokens, targets)
+        def head(x, targets=None):
+            loss = real_head(x, targets)
             if model.training:
                 count["n"] += 1
                 if count["n"] == 5:
                     return loss * float("nan")
             return loss
 
-        model.forward = forward
+        model.head = head
         return model
 
     monkeypatch.setattr(loop, "build_model", poisoned_build)

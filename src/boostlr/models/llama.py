@@ -203,19 +203,20 @@ class LlamaModel(nn.Module):
         if not self.cfg.tie_embeddings:
             normal_init(self.lm_head.weight, std, gen)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head on the residual stream; with ``targets`` the mean CE loss."""
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
         z: Latents | None = None
         for block in self.layers:
             x, z = block(x, rope, z)
-        return self.norm(x)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm_head(self.hidden_states(tokens))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.head(x, targets)
 
 
 def build_model(

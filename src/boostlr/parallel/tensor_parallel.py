@@ -14,11 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from boostlr.models.llama import Latents, LlamaModel, rope_tables
-from boostlr.parallel import btp, megatron, vanilla
+from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.collectives import GroupComm, all_reduce_
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.sharding import (
-    REPLICATED,
     ShardSpec,
     shard_module,
     shard_tensor,
@@ -36,11 +35,10 @@ class TensorParallelModel(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.ctx = ctx
-        self.strategy_name = strategy
-        self.strategy = STRATEGIES[strategy] if strategy else None
+        self.strategy = STRATEGIES[strategy] if strategy else single
         tp = ctx.comm.size
         self.specs: dict[str, ShardSpec] = {
-            name: (self.strategy.param_spec(name, self.cfg, tp) if self.strategy else REPLICATED)
+            name: self.strategy.param_spec(name, self.cfg, tp)
             for name, _ in model.named_parameters()
         }
         self.full_shapes = shard_module(model, self.specs, ctx.comm.rank, tp)
@@ -49,8 +47,6 @@ class TensorParallelModel(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        if self.strategy is None:
-            return self._single_device(tokens, targets)
         s, ctx = self.strategy, self.ctx
         x = s.embed(self.model, tokens, ctx)
         rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
@@ -61,20 +57,6 @@ class TensorParallelModel(nn.Module):
             else:
                 x, z = s.block_forward(block, x, rope, z, ctx)
         return s.head_loss(self.model, x, targets, ctx)
-
-    def _single_device(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        if self.ctx.act_ckpt != "block":
-            return self.model(tokens, targets)
-        m = self.model
-        x = m.embed_tokens(tokens)
-        rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
-        z: Latents | None = None
-        for block in m.layers:
-            x, z = self._checkpointed_block(
-                lambda b, x_, r, zp, _ctx: b(x_, r, zp), block, x, rope, z
-            )
-        logits = m.lm_head(m.norm(x))
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def _checkpointed_block(self, forward, block, x, rope, z_prev):
         """Whole-block checkpointing; LaX latents travel as extra tensor inputs/outputs."""
