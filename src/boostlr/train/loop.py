@@ -98,17 +98,17 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     process (or joins the ones torchrun/srun started).
     """
     device = resolve_device(cfg.parallel.device)
-    train_ds, _ = open_datasets(cfg)
-    bind_vocab(cfg, train_ds)
+    datasets = open_datasets(cfg)
+    bind_vocab(cfg, datasets[0])
     world = cfg.parallel.world_size
     adopt_slurm_env()
     if under_launcher():
-        return _train_under_launcher(cfg, run_dir, resume, console, device, train_ds)
+        return _train_under_launcher(cfg, run_dir, resume, console, device, datasets)
     ckpt = _check_run_dir(cfg, run_dir, resume)
-    _write_run_dir(cfg, run_dir, train_ds)
+    _write_run_dir(cfg, run_dir, datasets[0])
     ckpt_path = str(ckpt.path) if ckpt else None
     if world == 1:
-        return _train_rank(cfg, run_dir, ckpt_path, console, device)
+        return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
     results = launch(world, _rank_entry, to_dict(cfg), str(run_dir), ckpt_path, console)
     return results[0]
 
@@ -119,7 +119,7 @@ def _train_under_launcher(
     resume: bool,
     console: bool,
     device: torch.device,
-    train_ds: TokenDataset,
+    datasets: tuple[TokenDataset, TokenDataset],
 ) -> TrainResult:
     """Every rank checks (read-only), then rank 0 writes the run directory."""
     init_distributed(device, cfg.parallel.world_size)
@@ -127,10 +127,10 @@ def _train_under_launcher(
         ckpt = _check_run_dir(cfg, run_dir, resume)
         dist.barrier()
         if dist.get_rank() == 0:
-            _write_run_dir(cfg, run_dir, train_ds)
+            _write_run_dir(cfg, run_dir, datasets[0])
         dist.barrier()
         ckpt_path = str(ckpt.path) if ckpt else None
-        return _train_rank(cfg, run_dir, ckpt_path, console, device)
+        return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
     finally:
         dist.destroy_process_group()
 
@@ -198,16 +198,21 @@ def _write_run_dir(cfg: RunConfig, run_dir: Path, dataset: TokenDataset) -> None
 
 
 def _train_rank(
-    cfg: RunConfig, run_dir: Path, ckpt_path: str | None, console: bool, device: torch.device
+    cfg: RunConfig,
+    run_dir: Path,
+    ckpt_path: str | None,
+    console: bool,
+    device: torch.device,
+    datasets: tuple[TokenDataset, TokenDataset] | None = None,
 ) -> TrainResult:
-    """Build this rank's shard of the model and run the loop."""
+    """Build this rank's shard of the model and run the loop (opening the data if needed)."""
     group = dist.group.WORLD if dist.is_initialized() else None
     rank = dist.get_rank() if dist.is_initialized() else 0
     ledger = CommLedger()
     comm = GroupComm(group, "tp", ledger)
     misc = GroupComm(group, "tp_misc", ledger)  # grad-norm statistics: not model traffic
 
-    train_ds, val_ds = open_datasets(cfg)
+    train_ds, val_ds = datasets or open_datasets(cfg)
     loader = BatchLoader(train_ds, cfg.train.batch_size, cfg.data.seq_len, seed=cfg.train.seed)
     val_data = val_batches(val_ds, cfg.train.batch_size, cfg.data.seq_len, cfg.data.val_batches)
     torch.manual_seed(cfg.train.seed)
