@@ -30,7 +30,7 @@ def test_forward_shapes_and_param_count(arch: str) -> None:
     loss = model(tokens, tokens)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert sum(p.numel() for p in model.parameters()) == count_params(cfg).total
-    k_proj = model.layers[0].self_attn.k_proj
+    k_proj = model.layers["0"].self_attn.k_proj
     if arch == "full":
         assert isinstance(k_proj, DenseLinear) and k_proj.weight.shape == (cfg.kv_dim, cfg.dim)
     else:
@@ -40,7 +40,7 @@ def test_forward_shapes_and_param_count(arch: str) -> None:
     if arch == "lax":
         assert isinstance(k_proj, LaxLinear)
         assert not hasattr(k_proj.cross, "gate_down")  # block 0: no crossing
-        assert hasattr(model.layers[1].self_attn.k_proj.cross, "gate_down")
+        assert hasattr(model.layers["1"].self_attn.k_proj.cross, "gate_down")
 
 
 def test_cola_7b_parameter_count_matches_formula() -> None:
@@ -79,7 +79,7 @@ def test_init_is_seeded_and_cola_scaled() -> None:
     a, b = build_model(cfg, seed=3), build_model(cfg, seed=3)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
-    down = a.layers[0].mlp.gate_proj.down.weight
+    down = a.layers["0"].mlp.gate_proj.down.weight
     expected = cola_std(cfg.dim, cfg.ffn_dim, cfg.rank)
     assert abs(down.std().item() - expected) < 0.05 * expected
     c = build_model(cfg, seed=4)
@@ -107,10 +107,10 @@ def test_lax_crossing_uses_previous_latent() -> None:
     from boostlr.models.llama import rope_tables
 
     rope = rope_tables(cfg, 8)
-    _, z0 = model.layers[0](x, rope, None)
-    out_with, _ = model.layers[1](x, rope, z0)
+    _, z0 = model.layers["0"](x, rope, None)
+    out_with, _ = model.layers["1"](x, rope, z0)
     zeros = {k: torch.zeros_like(v) for k, v in z0.items()}
-    out_without, _ = model.layers[1](x, rope, zeros)
+    out_without, _ = model.layers["1"](x, rope, zeros)
     assert not torch.allclose(out_with, out_without)
 
 

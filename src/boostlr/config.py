@@ -10,6 +10,7 @@ reproduced or resumed from it alone. Validation happens before any work: a bad v
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -35,6 +36,8 @@ DEVICES = ("auto", "cpu", "cuda")
 TP_STRATEGIES = ("auto", "megatron", "vanilla", "btp")
 NORM_MODES = ("online", "sync")
 ACT_CKPT_MODES = ("none", "lowrank", "block")
+DP_MODES = ("fsdp", "ddp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -144,17 +147,30 @@ class TrainConfig:
     eval_every: int = 100
     ckpt_every: int = 100
     keep_checkpoints: int = 3
+    # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
+    # x dp. When set it derives grad_accum (it must divide evenly).
+    global_batch: int = 0
 
 
 @dataclass
 class ParallelConfig:
-    """Process layout and tensor-parallel options (see DESIGN.md §2)."""
+    """Process layout (pp x dp x tp, DESIGN.md §4) and tensor-parallel options (§2)."""
 
     device: str = "auto"
     # Local processes to launch; 0 = the product of the parallel degrees. When set it must
     # equal that product. Under torchrun/srun the launcher's WORLD_SIZE must match it.
     nproc: int = 0
     tp: int = 1
+    # Data-parallel degree; -1 fills the rest of the world (parallel.nproc or WORLD_SIZE).
+    dp: int = 1
+    pp: int = 1
+    # fsdp: parameters resharded after forward (ZeRO-3-like); ddp: kept whole, grads reduced.
+    dp_mode: str = "fsdp"
+    pp_schedule: str = "1f1b"
+    # Pipeline micro-batches per batch_size micro-batch; 0 = the number of pipeline stages.
+    microbatches: int = 0
+    # Stages per rank under the interleaved schedule.
+    pp_virtual: int = 2
     # auto: none at tp 1, btp for low-rank archs, megatron for full.
     tp_strategy: str = "auto"
     norm: str = "online"
@@ -163,7 +179,20 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages held by each pp rank."""
+        return self.pp_virtual if self.pp_schedule == "interleaved" and self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def pp_microbatches(self) -> int:
+        return self.microbatches or self.num_stages
 
     def strategy_for(self, arch: str) -> str | None:
         """The strategy that will run (``None``: the plain single-device model)."""
@@ -297,8 +326,50 @@ def build_config(
     for key, value in overrides or []:
         _set(cfg, key, value)
     resolve_model(cfg.model)
+    resolve_layout(cfg)
     validate(cfg)
     return cfg
+
+
+def launcher_world_size() -> int | None:
+    """WORLD_SIZE of torchrun, or srun's task count; ``None`` outside a launcher."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if key in os.environ:
+            try:
+                return int(os.environ[key])
+            except ValueError:
+                raise ConfigError(
+                    f"environment {key}={os.environ[key]!r} is not a number"
+                ) from None
+    return None
+
+
+def resolve_layout(cfg: RunConfig) -> None:
+    """Fill ``parallel.dp = -1`` from the world size and ``grad_accum`` from ``global_batch``."""
+    p, t = cfg.parallel, cfg.train
+    if p.dp == -1:
+        world = p.nproc or launcher_world_size()
+        if not world:
+            raise ConfigError(
+                "parallel.dp -1 fills the world, but no world size is known: set "
+                "--parallel.nproc N (or start under torchrun/srun), or give --parallel.dp"
+            )
+        rest = p.pp * p.tp
+        if rest < 1 or world % rest:
+            raise ConfigError(
+                f"parallel.dp -1: the world of {world} ranks is not a multiple of pp x tp = "
+                f"{rest}: change --parallel.nproc, --parallel.pp or --parallel.tp"
+            )
+        p.dp = world // rest
+    if t.global_batch:
+        per_step = t.batch_size * max(p.dp, 1)
+        if t.global_batch < 0 or t.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch {t.global_batch} is not a multiple of train.batch_size x "
+                f"parallel.dp = {per_step}: pick a global batch divisible by it, or change "
+                "--train.batch_size / --parallel.dp"
+            )
+        t.grad_accum = t.global_batch // per_step
 
 
 def resolve_model(model: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
@@ -346,6 +417,12 @@ def validate(cfg: RunConfig) -> None:
     ):
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    mb = cfg.parallel.pp_microbatches if cfg.parallel.pp > 1 else 1
+    if t.batch_size % mb:
+        raise ConfigError(
+            f"train.batch_size {t.batch_size} is not divisible by the {mb} pipeline "
+            "micro-batches: make the batch a multiple of --parallel.microbatches"
+        )
     if d.seq_len > m.max_seq_len:
         raise ConfigError(
             f"data.seq_len {d.seq_len} exceeds model.max_seq_len {m.max_seq_len}: "
@@ -368,15 +445,20 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
     _choice("parallel.tp_strategy", p.tp_strategy, TP_STRATEGIES)
     _choice("parallel.norm", p.norm, NORM_MODES)
     _choice("parallel.act_ckpt", p.act_ckpt, ACT_CKPT_MODES)
-    if p.nproc < 0 or p.tp < 1:
-        raise ConfigError(
-            f"parallel.nproc must be >= 0 and parallel.tp >= 1, got {p.nproc}, {p.tp}"
-        )
-    if p.nproc not in (0, p.tp):
+    _choice("parallel.dp_mode", p.dp_mode, DP_MODES)
+    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    for key, value in (("tp", p.tp), ("dp", p.dp), ("pp", p.pp), ("pp_virtual", p.pp_virtual)):
+        if value < 1:
+            raise ConfigError(f"parallel.{key} must be >= 1, got {value}")
+    if p.nproc < 0 or p.microbatches < 0:
+        raise ConfigError("parallel.nproc and parallel.microbatches must be >= 0 (0 = automatic)")
+    if p.nproc not in (0, p.world_size):
         raise ConfigError(
             f"parallel.nproc {p.nproc} must equal the product of the parallel degrees "
-            f"(tp {p.tp}): set --parallel.nproc {p.tp} or --parallel.tp {p.nproc}"
+            f"(pp {p.pp} x dp {p.dp} x tp {p.tp} = {p.world_size}): set --parallel.nproc "
+            f"{p.world_size}, or change the degrees (--parallel.dp -1 fills the rest)"
         )
+    validate_pipeline(p, m)
     strategy = p.strategy_for(m.arch)
     if strategy in ("btp", "vanilla") and not m.lowrank:
         raise ConfigError(
@@ -407,6 +489,40 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
                 f"parallel.tp {p.tp} does not divide {key} {value}: pick a tp that divides "
                 "heads, kv heads, dim and ffn_dim" + (" and rank" if strategy == "vanilla" else "")
             )
+
+
+def validate_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
+    """Stage split and schedule checks (DESIGN.md §4.1: torch aborts on some of these)."""
+    if p.pp == 1:
+        return
+    if p.pp > m.n_layers:
+        raise ConfigError(
+            f"parallel.pp {p.pp} exceeds model.n_layers {m.n_layers}: every stage needs a "
+            "layer, lower --parallel.pp"
+        )
+    if m.n_layers % p.num_stages:
+        what = f"pp x pp_virtual = {p.num_stages}" if p.virtual_stages > 1 else f"pp {p.pp}"
+        raise ConfigError(
+            f"model.n_layers {m.n_layers} is not divisible by {what} pipeline stages: pick a "
+            "pp (and pp_virtual) that divides the layers evenly"
+        )
+    mb = p.pp_microbatches
+    if p.pp_schedule in ("1f1b", "interleaved") and mb < p.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule {p.pp_schedule} needs at least as many micro-batches as "
+            f"pipeline ranks ({p.pp}), got parallel.microbatches {mb}: raise "
+            "--parallel.microbatches or use --parallel.pp_schedule gpipe"
+        )
+    if p.pp_schedule == "interleaved" and mb % p.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule interleaved needs parallel.microbatches ({mb}) to be a "
+            f"multiple of parallel.pp ({p.pp})"
+        )
+    if m.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings cannot be kept in sync across pipeline stages (the embedding "
+            "is on the first, the head on the last): set model.tie_embeddings false or pp 1"
+        )
 
 
 def validate_model(m: ModelConfig) -> None:

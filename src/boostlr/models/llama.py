@@ -10,19 +10,17 @@ block calls the same code on its slice of heads or of the MLP width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from boostlr.config import ModelConfig
-from boostlr.models.lowrank import (
-    BlockLinear,
-    DenseLinear,
-    LaxLinear,
-    LowRankLinear,
-    normal_init,
-)
+from boostlr.models.init import initial_value
+from boostlr.models.lowrank import BlockLinear, DenseLinear, LaxLinear, LowRankLinear
 from boostlr.models.norm import RMSNorm
+from boostlr.models.params import local
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -164,8 +162,25 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, layer, device)
 
     def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        z_prev: Latents | None,
+        impl: Callable[..., tuple[torch.Tensor, Latents | None]] | None = None,
+    ) -> tuple[torch.Tensor, Latents | None]:
+        """``impl(block, x, rope, z_prev)`` runs a strategy's per-rank form of this block.
+
+        Going through the module call either way keeps module hooks around the block (FSDP's
+        parameter all-gather and gradient reduce-scatter are such hooks).
+        """
+        if impl is not None:
+            return impl(self, x, rope, z_prev)
+        return self.compute(x, rope, z_prev)
+
+    def compute(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], z_prev: Latents | None
     ) -> tuple[torch.Tensor, Latents]:
+        """The single-device math."""
         a, z_attn = self.self_attn(self.input_layernorm(x), rope, z_prev)
         x = x + a
         m, z_mlp = self.mlp(self.post_attention_layernorm(x), z_prev)
@@ -173,48 +188,62 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only LM. ``forward(tokens)`` gives logits; with ``targets`` the mean CE loss."""
+    """Decoder-only LM. ``forward(tokens)`` gives logits; with ``targets`` the mean CE loss.
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+    ``layers`` is keyed by the global layer index, so a pipeline stage that keeps only some
+    layers (and the embedding only on the first stage, norm and head only on the last) still
+    names every parameter as the single-device model does.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device | str | None = None,
+        layers: range | None = None,
+        first: bool = True,
+        last: bool = True,
+    ):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ValueError("model vocab_size must be set (from the dataset) before building")
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
-        self.layers = nn.ModuleList(Block(cfg, i, device) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
-        if cfg.tie_embeddings:
+        layers = range(cfg.n_layers) if layers is None else layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, device) for i in layers})
+        if last:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+        else:
+            self.norm = self.lm_head = None
+        if cfg.tie_embeddings and first and last:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def first(self) -> bool:
+        return self.embed_tokens is not None
+
+    @property
+    def last(self) -> bool:
+        return self.lm_head is not None
+
     def init_weights(self, seed: int) -> None:
-        """Seeded init drawn on the CPU in a fixed order: independent of device and TP layout."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.cfg.init_std
-        normal_init(self.embed_tokens.weight, std, gen)
-        for block in self.layers:
-            for module in (block.input_layernorm, block.post_attention_layernorm):
-                nn.init.ones_(module.weight)
-            for name in ATTN_LINEARS:
-                getattr(block.self_attn, name).init_weights(std, gen)
-            for name in MLP_LINEARS:
-                getattr(block.mlp, name).init_weights(std, gen)
-        nn.init.ones_(self.norm.weight)
-        if not self.cfg.tie_embeddings:
-            normal_init(self.lm_head.weight, std, gen)
+        """Each parameter from its own ``(seed, name)`` generator: layout-independent."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(initial_value(self.cfg, name, p.shape, seed))
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head on the residual stream; with ``targets`` the mean CE loss."""
-        logits = self.lm_head(self.norm(x))
+        logits = F.linear(self.norm(x), local(self.lm_head.weight))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed_tokens(tokens)
+        x = F.embedding(tokens, local(self.embed_tokens.weight))
         rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
         z: Latents | None = None
-        for block in self.layers:
+        for block in self.layers.values():
             x, z = block(x, rope, z)
         return self.head(x, targets)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boostlr.models.norm import RMSNorm
+from boostlr.models.params import local
 
 
 def cola_std(d_in: int, d_out: int, rank: int) -> float:
@@ -29,13 +30,10 @@ class DenseLinear(nn.Module):
         self.d_in, self.d_out = d_in, d_out
         self.weight = nn.Parameter(torch.empty(d_out, d_in, device=device))
 
-    def init_weights(self, std: float, generator: torch.Generator) -> None:
-        normal_init(self.weight, std, generator)
-
     def forward(
         self, x: torch.Tensor, z_prev: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, None]:
-        return F.linear(x, self.weight), None
+        return F.linear(x, local(self.weight)), None
 
 
 class LowRankLinear(nn.Module):
@@ -55,11 +53,6 @@ class LowRankLinear(nn.Module):
         self.down = nn.Linear(d_in, rank, bias=False, device=device)  # A: d_in -> r
         self.up = nn.Linear(rank, d_out, bias=False, device=device)  # B: r -> d_out
 
-    def init_weights(self, std: float, generator: torch.Generator) -> None:
-        factor_std = cola_std(self.d_in, self.d_out, self.rank)
-        normal_init(self.down.weight, factor_std, generator)
-        normal_init(self.up.weight, factor_std, generator)
-
     def latent(
         self, a: torch.Tensor, z_prev: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,8 +62,8 @@ class LowRankLinear(nn.Module):
     def forward(
         self, x: torch.Tensor, z_prev: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h, z = self.latent(self.down(x), z_prev)
-        return self.up(h), z
+        h, z = self.latent(F.linear(x, local(self.down.weight)), z_prev)
+        return F.linear(h, local(self.up.weight)), z
 
 
 class LatentCrossing(nn.Module):
@@ -93,16 +86,6 @@ class LatentCrossing(nn.Module):
             self.gate_down = nn.Linear(rank, gate_rank, bias=False, device=device)
             self.gate_up = nn.Linear(gate_rank, rank, bias=False, device=device)
 
-    def init_weights(self, generator: torch.Generator) -> None:
-        # The gate's output starts at zero, so a fresh LaX model equals CoLA with LN_r; the
-        # factored gate's first half is random so gradients reach both halves.
-        if self.gate_kind == "full":
-            nn.init.zeros_(self.gate.weight)
-        elif self.gate_kind == "factored":
-            r, g = self.gate_down.in_features, self.gate_down.out_features
-            normal_init(self.gate_down.weight, cola_std(r, r, g), generator)
-            nn.init.zeros_(self.gate_up.weight)
-
     def forward(
         self, a: torch.Tensor, z_prev: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +94,10 @@ class LatentCrossing(nn.Module):
             if z_prev is None:
                 raise ValueError("LaX crossing with a gate needs the previous block's latent")
             if self.gate_kind == "full":
-                u = u + self.gate(z_prev)
+                u = u + F.linear(z_prev, local(self.gate.weight))
             else:
-                u = u + self.gate_up(self.gate_down(z_prev))
+                inner = F.linear(z_prev, local(self.gate_down.weight))
+                u = u + F.linear(inner, local(self.gate_up.weight))
         return self.norm(u), u
 
 
@@ -133,10 +117,6 @@ class LaxLinear(LowRankLinear):
         super().__init__(d_in, d_out, rank, activation=True, device=device)
         self.cross = LatentCrossing(rank, gate, gate_rank, eps, device=device)
 
-    def init_weights(self, std: float, generator: torch.Generator) -> None:
-        super().init_weights(std, generator)
-        self.cross.init_weights(generator)
-
     def latent(
         self, a: torch.Tensor, z_prev: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,9 +125,3 @@ class LaxLinear(LowRankLinear):
 
 
 BlockLinear = DenseLinear | LowRankLinear
-
-
-def normal_init(t: torch.Tensor, std: float, generator: torch.Generator) -> None:
-    """Draw on the CPU generator, then copy: identical weights on every device and TP layout."""
-    with torch.no_grad():
-        t.copy_(torch.randn(t.shape, generator=generator) * std)

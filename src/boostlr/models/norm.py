@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from boostlr.models.params import local
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Functional form, shared with tensor-parallel code that holds gathered gains."""
@@ -21,4 +23,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, local(self.weight), self.eps)

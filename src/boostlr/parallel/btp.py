@@ -28,17 +28,17 @@ from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
 from boostlr.models.lowrank import LowRankLinear
 from boostlr.models.norm import rms_norm
+from boostlr.models.params import local
 from boostlr.parallel.collectives import copy_to_group, gather_from_group, reduce_from_group
 from boostlr.parallel.context import TPContext, wire
-from boostlr.parallel.sharding import REPLICATED, ShardSpec, padded_size
-from boostlr.parallel.vocab import vocab_parallel_cross_entropy
+from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
 
 def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
     if name == "embed_tokens.weight":
         return ShardSpec(1)  # split along d: the lookup yields this rank's residual slice
     if name == "lm_head.weight":
-        return ShardSpec(0, padded_size(cfg.vocab_size, tp))
+        return ShardSpec(0)
     if name.endswith("layernorm.weight") or name == "norm.weight":
         return ShardSpec(0)  # gains follow the d-sharded residual
     if name.endswith(".down.weight"):
@@ -49,23 +49,20 @@ def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
-    return F.embedding(tokens, model.embed_tokens.weight)
+    return F.embedding(tokens, local(model.embed_tokens.weight))
 
 
-def head_loss(model: LlamaModel, x: Tensor, targets: Tensor, ctx: TPContext) -> Tensor:
-    """All-gather the last hidden state once; vocab-parallel head and loss.
+def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
+    """All-gather the last hidden state once; this rank's vocabulary slice of the logits.
 
     The head's input gradient is a partial sum per rank, so the gathers reduce-scatter it
     (and the final norm's gain gradient) back to d-slices in the backward.
     """
     x_full = gather_from_group(x, ctx.comm, "final_hidden", dim=-1, grad="reduce_scatter")
     gain = gather_from_group(
-        model.norm.weight, ctx.comm, "final_norm_gain", dim=0, grad="reduce_scatter"
+        local(model.norm.weight), ctx.comm, "final_norm_gain", dim=0, grad="reduce_scatter"
     )
-    logits = F.linear(rms_norm(x_full, gain, model.norm.eps), model.lm_head.weight)
-    return vocab_parallel_cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), model.cfg.vocab_size, ctx.comm
-    )
+    return F.linear(rms_norm(x_full, gain, model.norm.eps), local(model.lm_head.weight))
 
 
 # ------------------------------------------------------------------------ norm + down-proj
@@ -175,7 +172,7 @@ def block_forward(
     # Region ending at A_qkv: norm folded into the grouped down-projection.
     parts = ctx.region(
         lambda x_: _norm_down_partial(
-            x_, block.input_layernorm.weight, [l.down.weight for l in qkv]
+            x_, local(block.input_layernorm.weight), [local(l.down.weight) for l in qkv]
         ),
         x,
     )
@@ -186,9 +183,9 @@ def block_forward(
 
     # Region: B_q/B_k/B_v (this rank's heads) -> attention -> partial A_o.
     def attention_region(*h: Tensor) -> Tensor:
-        q, k, v = _up(list(h), [l.up.weight for l in qkv], ctx.grouping)
+        q, k, v = _up(list(h), [local(l.up.weight) for l in qkv], ctx.grouping)
         out = causal_attention(q, k, v, rope, attn.head_dim)
-        return F.linear(out, attn.o_proj.down.weight)
+        return F.linear(out, local(attn.o_proj.down.weight))
 
     p_o = reduce_from_group(ctx.region(attention_region, *hs), ctx.comm, "o_proj")
     (h_o,), z_o = _latents([attn.o_proj], [p_o], ["o_proj"], z_prev)
@@ -197,9 +194,9 @@ def block_forward(
 
     # Region: B_o writes the residual slice, then the MLP norm folded into [A_gate|A_up].
     def residual_attn_region(h: Tensor, x_: Tensor) -> tuple[Tensor, ...]:
-        x_ = x_ + F.linear(h, attn.o_proj.up.weight)
-        downs = [l.down.weight for l in gate_up]
-        return (x_, *_norm_down_partial(x_, block.post_attention_layernorm.weight, downs))
+        x_ = x_ + F.linear(h, local(attn.o_proj.up.weight))
+        downs = [local(l.down.weight) for l in gate_up]
+        return (x_, *_norm_down_partial(x_, local(block.post_attention_layernorm.weight), downs))
 
     x, *parts = ctx.region(residual_attn_region, h_o, x)
     eps = block.post_attention_layernorm.eps
@@ -210,8 +207,8 @@ def block_forward(
 
     # Region: B_gate/B_up (this rank's slice of f) -> product -> partial A_down.
     def mlp_region(*h: Tensor) -> Tensor:
-        g, u = _up(list(h), [l.up.weight for l in gate_up], ctx.grouping)
-        return F.linear(mlp_product(g, u, mlp.form), mlp.down_proj.down.weight)
+        g, u = _up(list(h), [local(l.up.weight) for l in gate_up], ctx.grouping)
+        return F.linear(mlp_product(g, u, mlp.form), local(mlp.down_proj.down.weight))
 
     p_d = reduce_from_group(ctx.region(mlp_region, *hs), ctx.comm, "down_proj")
     (h_d,), z_d = _latents([mlp.down_proj], [p_d], ["down_proj"], z_prev)
@@ -219,4 +216,4 @@ def block_forward(
     (h_d,) = _enter_region([h_d], ctx, "down_proj")
 
     # Region: B_down writes the residual slice (continues into the next block's A_qkv).
-    return ctx.region(lambda h, x_: x_ + F.linear(h, mlp.down_proj.up.weight), h_d, x), z
+    return ctx.region(lambda h, x_: x_ + F.linear(h, local(mlp.down_proj.up.weight)), h_d, x), z

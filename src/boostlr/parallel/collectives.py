@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 Phase = Literal["fwd", "bwd", "recompute"]
-OpName = Literal["all_reduce", "all_gather", "reduce_scatter"]
+OpName = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
 GradMode = Literal["split", "reduce_scatter"]
 
 PHASES: tuple[Phase, ...] = ("fwd", "bwd", "recompute")
-OPS: tuple[OpName, ...] = ("all_reduce", "all_gather", "reduce_scatter")
+OPS: tuple[OpName, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 # Recent torch (2.13 here) renamed the flat-tensor collectives to *_single and deprecated
 # the old names; older torch (>= 2.6) only has the old ones. Same (output, input, ...)

@@ -11,10 +11,11 @@ from torch import Tensor
 
 from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
+from boostlr.models.params import local
 from boostlr.parallel.collectives import copy_to_group, reduce_from_group
 from boostlr.parallel.context import TPContext, wire
-from boostlr.parallel.sharding import REPLICATED, ShardSpec, padded_size
-from boostlr.parallel.vocab import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from boostlr.parallel.sharding import REPLICATED, ShardSpec
+from boostlr.parallel.vocab import vocab_parallel_embedding
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -22,7 +23,7 @@ ROW = ("o_proj", "down_proj")
 
 def vocab_specs(cfg: ModelConfig, tp: int) -> dict[str, ShardSpec]:
     """Vocab-parallel embedding and head, shared with vanilla TP."""
-    vocab = ShardSpec(0, padded_size(cfg.vocab_size, tp))
+    vocab = ShardSpec(0)
     return {"embed_tokens.weight": vocab, "lm_head.weight": vocab}
 
 
@@ -39,16 +40,15 @@ def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
-    return vocab_parallel_embedding(tokens, model.embed_tokens.weight, ctx.comm)
-
-
-def head_loss(model: LlamaModel, x: Tensor, targets: Tensor, ctx: TPContext) -> Tensor:
-    """Final norm on the replicated stream, vocab-parallel logits and loss."""
-    h = copy_to_group(wire(model.norm(x)), ctx.comm, "head_in")
-    logits = F.linear(h, model.lm_head.weight)
-    return vocab_parallel_cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), model.cfg.vocab_size, ctx.comm
+    return vocab_parallel_embedding(
+        tokens, local(model.embed_tokens.weight), model.cfg.vocab_size, ctx.comm
     )
+
+
+def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
+    """Final norm on the replicated stream, then this rank's vocabulary slice of the logits."""
+    h = copy_to_group(wire(model.norm(x)), ctx.comm, "head_in")
+    return F.linear(h, local(model.lm_head.weight))
 
 
 def block_forward(
@@ -56,10 +56,11 @@ def block_forward(
 ) -> tuple[Tensor, Latents | None]:
     attn, mlp, comm = block.self_attn, block.mlp, ctx.comm
     h = copy_to_group(wire(block.input_layernorm(x)), comm, "attn_in")
-    q, k, v = (F.linear(h, getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (F.linear(h, local(getattr(attn, n).weight)) for n in ("q_proj", "k_proj", "v_proj"))
     out = causal_attention(q, k, v, rope, attn.head_dim)
-    x = x + reduce_from_group(F.linear(out, attn.o_proj.weight), comm, "o_proj")
+    x = x + reduce_from_group(F.linear(out, local(attn.o_proj.weight)), comm, "o_proj")
     h = copy_to_group(wire(block.post_attention_layernorm(x)), comm, "mlp_in")
-    prod = mlp_product(F.linear(h, mlp.gate_proj.weight), F.linear(h, mlp.up_proj.weight), mlp.form)
-    x = x + reduce_from_group(F.linear(prod, mlp.down_proj.weight), comm, "down_proj")
+    gate, up = F.linear(h, local(mlp.gate_proj.weight)), F.linear(h, local(mlp.up_proj.weight))
+    prod = mlp_product(gate, up, mlp.form)
+    x = x + reduce_from_group(F.linear(prod, local(mlp.down_proj.weight)), comm, "down_proj")
     return x, None

@@ -20,48 +20,53 @@ from boostlr.parallel.collectives import GroupComm
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """``dim=None``: replicated. ``padded``: size of ``dim`` after padding to a multiple of TP."""
+    """``dim=None``: replicated; otherwise split along ``dim`` in ``torch.chunk`` order.
+
+    Chunks are ``ceil(n / tp)`` long (the last ones shorter, possibly empty), which is how
+    DTensor's ``Shard`` splits: a vocabulary that ``tp`` does not divide keeps its global
+    shape, so nothing about a tensor's identity depends on the layout.
+    """
 
     dim: int | None
-    padded: int | None = None
 
 
 REPLICATED = ShardSpec(None)
 
 
-def padded_size(size: int, tp: int) -> int:
-    return -(-size // tp) * tp
+def chunk_range(size: int, rank: int, tp: int) -> tuple[int, int]:
+    """``[start, end)`` of rank's chunk of a dim of ``size`` split ``torch.chunk``-style."""
+    step = -(-size // tp)
+    start = min(rank * step, size)
+    return start, min(start + step, size)
 
 
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
-    """This rank's chunk (zero-padded along ``spec.dim`` first when ``spec.padded`` is set)."""
+    """This rank's chunk of ``full`` (a copy)."""
     if spec.dim is None:
         return full.clone()
-    if spec.padded is not None and spec.padded > full.shape[spec.dim]:
-        pad_shape = list(full.shape)
-        pad_shape[spec.dim] = spec.padded - full.shape[spec.dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=spec.dim)
-    if full.shape[spec.dim] % tp:
-        raise ValueError(f"dim {spec.dim} of shape {tuple(full.shape)} does not split over {tp}")
-    return full.chunk(tp, dim=spec.dim)[rank].clone()
+    start, end = chunk_range(full.shape[spec.dim], rank, tp)
+    return full.narrow(spec.dim, start, end - start).clone()
 
 
 def unshard_tensor(
     local: torch.Tensor, spec: ShardSpec, full_size: int | None, comm: GroupComm
 ) -> torch.Tensor:
-    """All-gather the chunks back to the single-device tensor (drops vocab padding).
+    """All-gather the chunks back to the single-device tensor.
 
     Not recorded in the ledger: it serves checkpoints and tests, not the training step.
     """
     if spec.dim is None or comm.size == 1:
-        full = local.detach().clone()
-    else:
-        parts = [torch.empty_like(local) for _ in range(comm.size)]
-        dist.all_gather(parts, local.detach().contiguous(), group=comm.group)
-        full = torch.cat(parts, dim=spec.dim)
-    if spec.dim is not None and full_size is not None:
-        full = full.narrow(spec.dim, 0, full_size)
-    return full
+        return local.detach().clone()
+    step = -(-full_size // comm.size)
+    pad = step - local.shape[spec.dim]
+    chunk = local.detach()
+    if pad:  # all_gather needs equal sizes: pad the short chunks, cut the padding after
+        pad_shape = list(local.shape)
+        pad_shape[spec.dim] = pad
+        chunk = torch.cat([chunk, chunk.new_zeros(pad_shape)], dim=spec.dim)
+    parts = [torch.empty_like(chunk) for _ in range(comm.size)]
+    dist.all_gather(parts, chunk.contiguous(), group=comm.group)
+    return torch.cat(parts, dim=spec.dim).narrow(spec.dim, 0, full_size)
 
 
 def shard_module(

@@ -7,10 +7,12 @@ math stays the model's own.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel
+from boostlr.models.params import local
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
@@ -20,14 +22,14 @@ def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
-    return model.embed_tokens(tokens)
+    return F.embedding(tokens, local(model.embed_tokens.weight))
 
 
 def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents]:
-    return block(x, rope, z_prev)
+    return block.compute(x, rope, z_prev)
 
 
-def head_loss(model: LlamaModel, x: Tensor, targets: Tensor, ctx: TPContext) -> Tensor:
-    return model.head(x, targets)
+def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
+    return model.head(x)

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from boostlr.models.llama import Latents, LlamaModel, rope_tables
+from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.collectives import GroupComm, all_reduce_
 from boostlr.parallel.context import TPContext
@@ -23,53 +23,89 @@ from boostlr.parallel.sharding import (
     shard_tensor,
     unshard_tensor,
 )
+from boostlr.parallel.vocab import vocab_parallel_cross_entropy
 
 STRATEGIES: dict[str, ModuleType] = {"megatron": megatron, "vanilla": vanilla, "btp": btp}
 LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class TensorParallelModel(nn.Module):
-    """A sharded :class:`LlamaModel`; ``strategy=None`` is the plain single-device model."""
+    """A sharded :class:`LlamaModel` (or one pipeline stage of it).
 
-    def __init__(self, model: LlamaModel, strategy: str | None, ctx: TPContext):
+    ``strategy=None`` is the plain single-device model. Given a single-device ``model`` the
+    constructor slices it in place for this rank; given ``full_shapes`` the model is already
+    this rank's shards (built from the meta device, see :mod:`boostlr.parallel.build`).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        strategy: str | None,
+        ctx: TPContext,
+        full_shapes: dict[str, torch.Size] | None = None,
+    ):
         super().__init__()
         self.cfg = model.cfg
         self.ctx = ctx
         self.strategy = STRATEGIES[strategy] if strategy else single
-        tp = ctx.comm.size
         self.specs: dict[str, ShardSpec] = {
-            name: self.strategy.param_spec(name, self.cfg, tp)
+            name: self.strategy.param_spec(name, self.cfg, ctx.comm.size)
             for name, _ in model.named_parameters()
         }
-        self.full_shapes = shard_module(model, self.specs, ctx.comm.rank, tp)
+        if full_shapes is None:
+            full_shapes = shard_module(model, self.specs, ctx.comm.rank, ctx.comm.size)
+        self.full_shapes = full_shapes
         self.model = model
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        s, ctx = self.strategy, self.ctx
-        x = s.embed(self.model, tokens, ctx)
-        rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
-        z: Latents | None = None
-        for block in self.model.layers:
-            if ctx.act_ckpt == "block":
-                x, z = self._checkpointed_block(s.block_forward, block, x, rope, z)
-            else:
-                x, z = s.block_forward(block, x, rope, z, ctx)
-        return s.head_loss(self.model, x, targets, ctx)
+    def forward(self, *inputs: Tensor, targets: Tensor | None = None) -> Tensor | tuple:
+        """Stage outputs; with ``targets`` (a whole model) the mean loss.
 
-    def _checkpointed_block(self, forward, block, x, rope, z_prev):
-        """Whole-block checkpointing; LaX latents travel as extra tensor inputs/outputs."""
+        The first stage takes tokens, a later one the residual (plus LaX's latents in
+        :data:`LATENT_NAMES` order); the last stage returns this rank's logits, an earlier one
+        ``(x, *latents)``.
+        """
+        s, ctx = self.strategy, self.ctx
+        if self.model.first:
+            tokens, *rest = inputs
+            targets = rest[0] if rest else targets
+            x, z = s.embed(self.model, tokens, ctx), None
+        else:
+            x, *zs = inputs
+            z = dict(zip(LATENT_NAMES, zs, strict=True)) if zs else None
+        rope = rope_tables(self.cfg, x.shape[1], device=x.device)
+        for block in self.model.layers.values():
+            x, z = block(x, rope, z, impl=self._block_impl)
+        if not self.model.last:
+            return (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else x
+        logits = s.head_logits(self.model, x, ctx)
+        return logits if targets is None else self.loss(logits, targets)
+
+    def _block_impl(self, block, x, rope, z_prev):
+        """The strategy's block, under whole-block checkpointing when ``act_ckpt=block``.
+
+        LaX latents travel through the checkpoint as extra tensor inputs/outputs.
+        """
+        forward, ctx = self.strategy.block_forward, self.ctx
+        if ctx.act_ckpt != "block":
+            return forward(block, x, rope, z_prev, ctx)
         names = LATENT_NAMES if self.cfg.arch == "lax" else ()
 
         def run(x_: Tensor, *zs: Tensor):
             zp = dict(zip(names, zs, strict=True)) if zs else None
-            out, z = forward(block, x_, rope, zp, self.ctx)
+            out, z = forward(block, x_, rope, zp, ctx)
             return (out, *(z[n] for n in names))
 
         zs = tuple(z_prev[n] for n in names) if z_prev else ()
-        out, *z_out = self.ctx.checkpointed(run, x, *zs)
+        out, *z_out = ctx.checkpointed(run, x, *zs)
         return out, (dict(zip(names, z_out, strict=True)) if names else None)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean token cross-entropy of this rank's (vocabulary slice of the) logits."""
+        return vocab_parallel_cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), self.cfg.vocab_size, self.ctx.comm
+        )
 
     # ------------------------------------------------------------------ full <-> shards
 

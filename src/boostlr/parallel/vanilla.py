@@ -15,6 +15,7 @@ from torch import Tensor
 from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, causal_attention, mlp_product
 from boostlr.models.lowrank import LaxLinear, LowRankLinear
+from boostlr.models.params import local
 from boostlr.parallel import megatron
 from boostlr.parallel.collectives import (
     copy_to_group,
@@ -27,7 +28,7 @@ from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
 # The dense parts (embedding, LM head, loss) are Megatron's vocab-parallel ones.
 embed = megatron.embed
-head_loss = megatron.head_loss
+head_logits = megatron.head_logits
 
 
 def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
@@ -45,14 +46,14 @@ def lowrank_linear(
     lin: LowRankLinear, x: Tensor, z_prev: Tensor | None, ctx: TPContext, tag: str
 ) -> tuple[Tensor, Tensor | None]:
     """``x`` must already be in the region (``copy_to_group``); returns the all-reduced ``y``."""
-    a = F.linear(x, lin.down.weight)
+    a = F.linear(x, local(lin.down.weight))
     if isinstance(lin, LaxLinear):
         a_full = gather_from_group(a, ctx.comm, f"{tag}.latent")
         h_full, z = lin.latent(a_full, z_prev)
         h = scatter_to_group(wire(h_full), ctx.comm, f"{tag}.latent")
     else:
         h, z = lin.latent(a, None)
-    return reduce_from_group(F.linear(h, lin.up.weight), ctx.comm, tag), z
+    return reduce_from_group(F.linear(h, local(lin.up.weight)), ctx.comm, tag), z
 
 
 def block_forward(

@@ -1,6 +1,7 @@
 """Vocab-parallel embedding, LM head and cross-entropy (Megatron style).
 
-Each TP rank owns a contiguous range of (padded) vocabulary rows. The loss never
+Each TP rank owns a contiguous range of vocabulary rows (``torch.chunk`` order: the last
+ranks may hold fewer rows when TP does not divide the vocabulary). The loss never
 materialises full logits: a max, a sum of exponentials and the target logit are combined
 with three ``[T]`` all-reduces; the backward needs no communication.
 """
@@ -13,16 +14,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from boostlr.parallel.collectives import GroupComm, all_reduce_, reduce_from_group
+from boostlr.parallel.sharding import chunk_range
 
 
-def vocab_range(local_rows: int, comm: GroupComm) -> tuple[int, int]:
-    start = comm.rank * local_rows
-    return start, start + local_rows
+def vocab_range(vocab_size: int, comm: GroupComm) -> tuple[int, int]:
+    return chunk_range(vocab_size, comm.rank, comm.size)
 
 
-def vocab_parallel_embedding(tokens: Tensor, weight: Tensor, comm: GroupComm) -> Tensor:
+def vocab_parallel_embedding(
+    tokens: Tensor, weight: Tensor, vocab_size: int, comm: GroupComm
+) -> Tensor:
     """Look up the rank's rows, zero the rest, all-reduce ``[T, d]``."""
-    start, end = vocab_range(weight.shape[0], comm)
+    start, end = vocab_range(vocab_size, comm)
     outside = (tokens < start) | (tokens >= end)
     local = (tokens - start).masked_fill(outside, 0)
     out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -34,13 +37,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, vocab_size: int, comm: GroupComm):  # type: ignore[override]
-        start, end = vocab_range(logits.shape[-1], comm)
+        start, end = vocab_range(vocab_size, comm)
         ctx.dtype = logits.dtype
         logits = logits.float()
-        if end > vocab_size:  # padded rows are not tokens: exclude them from the softmax
-            logits = logits.clone()
-            logits[:, max(0, vocab_size - start) :] = float("-inf")
-        row_max = logits.max(dim=-1).values
+        # amax of an empty slice (more ranks than rows) is -inf, the identity of MAX.
+        row_max = logits.amax(dim=-1) if end > start else logits.new_full(logits.shape[:1], -1e30)
         all_reduce_(row_max, comm, "ce_max", op=dist.ReduceOp.MAX)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()

@@ -1,0 +1,82 @@
+"""Build this rank's part of the model without ever holding the whole of it (DESIGN §4.1).
+
+Order (torchtitan's): split into pipeline stages -> build each stage on the meta device ->
+materialise only this rank's tensor-parallel shards, each drawn from its parameter's own
+seeded generator (one full parameter at a time) and wrapped as a DTensor on the ``tp`` mesh
+dim (global shape + split dim) -> data parallel (FSDP2) over ``dp``. The result is a list of
+:class:`TensorParallelModel` stages (more than one under the interleaved schedule).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from boostlr.config import RunConfig
+from boostlr.models.init import initial_value
+from boostlr.models.llama import LlamaModel
+from boostlr.parallel.context import TPContext
+from boostlr.parallel.data_parallel import apply_data_parallel
+from boostlr.parallel.mesh import MeshComms
+from boostlr.parallel.pipeline import stage_ids, stage_layers
+from boostlr.parallel.sharding import ShardSpec, shard_tensor
+from boostlr.parallel.tensor_parallel import TensorParallelModel
+
+
+def build_stages(
+    cfg: RunConfig, comms: MeshComms, device: torch.device, pp_rank: int
+) -> list[TensorParallelModel]:
+    """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped."""
+    p = cfg.parallel
+    ctx = TPContext(comms.tp, cfg.model, norm=p.norm, grouping=p.grouping, act_ckpt=p.act_ckpt)
+    stages = []
+    for stage in stage_ids(p, pp_rank):
+        layers = stage_layers(cfg.model.n_layers, p.num_stages, stage)
+        meta = LlamaModel(
+            cfg.model,
+            device="meta",
+            layers=layers,
+            first=stage == 0,
+            last=stage == p.num_stages - 1,
+        )
+        part = TensorParallelModel(meta, p.strategy_for(cfg.model.arch), ctx, full_shapes={})
+        materialize(part, cfg.train.seed, comms, device)
+        stages.append(part)
+    if comms.dp.size > 1:
+        for part in stages:
+            apply_data_parallel(part, comms, p.dp_mode)
+    return stages
+
+
+def materialize(
+    part: TensorParallelModel, seed: int, comms: MeshComms, device: torch.device
+) -> None:
+    """Replace every meta parameter by this rank's shard of its seeded initial value.
+
+    Only one full parameter exists at a time, and only on the CPU. A parameter shared by
+    several modules (tied embeddings) is materialised once and put back everywhere.
+    """
+    tp_mesh, tp, rank = comms.tp_mesh, comms.tp.size, comms.tp.rank
+    model = part.model
+    replaced: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if id(param) not in replaced:
+            spec = part.specs[name]
+            full = initial_value(part.cfg, name, param.shape, seed)
+            part.full_shapes[name] = full.shape
+            shard = shard_tensor(full, spec, rank, tp).to(device)
+            del full
+            value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, param.shape)
+            replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+        path, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
+
+
+def _as_dtensor(shard: torch.Tensor, spec: ShardSpec, mesh, full_shape: torch.Size) -> DTensor:
+    """Give a shard its global identity: the full shape and the dim it is split along."""
+    placement = Replicate() if spec.dim is None else Shard(spec.dim)
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(
+        shard, mesh, [placement], run_check=False, shape=full_shape, stride=stride
+    )

@@ -1,0 +1,149 @@
+"""This rank's share of the model for any ``pp x dp x tp`` layout, behind one interface.
+
+The training loop sees a :class:`ParallelModel`: a batch's forward + backward, the global
+loss, clipping by the norm of the whole model, evaluation and the step's traffic. Building
+it (mesh, stages, shards, FSDP, schedule) happens here and in the modules it calls, never in
+the loop. One process without a process group runs the plain single-device model.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from boostlr.config import RunConfig
+from boostlr.models.llama import build_model
+from boostlr.parallel.build import build_stages
+from boostlr.parallel.context import TPContext
+from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
+from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
+from boostlr.parallel.tensor_parallel import TensorParallelModel
+
+
+class ParallelModel:
+    """The stages this rank holds and how a batch runs through them."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        comms: MeshComms,
+        stages: list[TensorParallelModel],
+        device: torch.device,
+    ):
+        self.cfg, self.comms, self.stages, self.device = cfg, comms, stages, device
+        self.accum = cfg.train.grad_accum
+        self.pipeline = (
+            Pipeline(cfg, stages, comms.pp, device, loss_scale=1 / self.accum)
+            if comms.pp.size > 1
+            else None
+        )
+
+    @classmethod
+    def build(cls, cfg: RunConfig, device: torch.device) -> ParallelModel:
+        """Distributed when a default process group exists, else the single-device model."""
+        p = cfg.parallel
+        if not dist.is_initialized():
+            comms = single_process_comms()
+            ctx = TPContext(comms.tp, cfg.model, p.norm, p.grouping, p.act_ckpt)
+            full = build_model(cfg.model, seed=cfg.train.seed, device=device)
+            stages = [TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx)]
+            return cls(cfg, comms, stages, device)
+        comms = build_mesh(p, device)
+        pp_rank = comms.pp.rank
+        return cls(cfg, comms, build_stages(cfg, comms, device, pp_rank), device)
+
+    # ------------------------------------------------------------------ parameters
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Global (single-device) names of this rank's parameters."""
+        return [(n, p) for part in self.stages for n, p in part.model.named_parameters()]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(part.model.last for part in self.stages)
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.stages:
+            part.train(mode)
+
+    # ------------------------------------------------------------------ one batch
+
+    def forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Loss of one ``batch_size`` micro-batch; gradients (scaled by 1/grad_accum) added.
+
+        Returns this rank's detached mean loss (0 on a pipeline rank without the last stage).
+        """
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, targets)
+        loss = self.stages[0](inputs, targets)
+        (loss / self.accum).backward()
+        return loss.detach()
+
+    def global_mean(self, local: Tensor) -> float:
+        """Mean over data-parallel ranks of a loss that lives on the last pipeline stage."""
+        if not dist.is_initialized():
+            return float(local)
+        value = local.detach().float().reshape(1).clone()
+        if not self.has_last_stage:
+            value.zero_()
+        # Each (dp, tp) coordinate of the last stage holds a copy; the tp copies are equal.
+        value /= self.comms.dp.size * self.comms.tp.size
+        dist.all_reduce(value)
+        return float(value)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip by the L2 norm of the whole model's gradient (over tp, dp and pp)."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+        else:
+            norm = torch.zeros((), device=self.device)
+        if self.comms.pp.size > 1:  # each stage holds different parameters
+            square = norm.float().pow(2).reshape(1)
+            dist.all_reduce(square, group=self.comms.pp.group)
+            norm = square.sqrt().reshape(())
+        if max_norm > 0 and torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(
+        self, batches: list[tuple[Tensor, Tensor]], autocast: AbstractContextManager
+    ) -> float:
+        """Mean loss over ``batches`` (the same on every rank)."""
+        self.train(False)
+        losses = []
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with autocast:
+                if self.pipeline is not None:
+                    loss = evaluate_pipeline(self.stages, self.cfg, self.comms.pp, inputs, targets)
+                else:
+                    loss = self.stages[0](inputs, targets)
+            losses.append(float(loss))
+        self.train(True)
+        return sum(losses) / len(losses)
+
+    # ------------------------------------------------------------------ metrics
+
+    def step_metrics(self) -> dict[str, int]:
+        """This rank's traffic in the step: ``comm_tp_*``, ``comm_dp_bytes``, ``comm_pp_bytes``."""
+        ledger = self.comms.ledger
+        return {
+            **ledger.step_metrics("comm_tp", group="tp"),
+            "comm_dp_bytes": ledger.totals("dp")["bytes"],
+            "comm_pp_bytes": ledger.totals("pp")["bytes"],
+        }

@@ -1,0 +1,49 @@
+"""The ``(pp, dp, tp)`` device mesh and the explicit process groups cut from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from boostlr.config import ParallelConfig
+from boostlr.parallel.collectives import CommLedger, GroupComm
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshComms:
+    """The mesh, one :class:`GroupComm` per dim (all recording into one ledger)."""
+
+    mesh: DeviceMesh | None
+    tp: GroupComm
+    dp: GroupComm
+    pp: GroupComm
+    ledger: CommLedger
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return None if self.mesh is None else self.mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        return None if self.mesh is None else self.mesh["dp"]
+
+
+def single_process_comms() -> MeshComms:
+    """Every dim of size 1: the plain model in one process, no collective."""
+    ledger = CommLedger()
+    return MeshComms(None, *(GroupComm(None, name, ledger) for name in ("tp", "dp", "pp")), ledger)
+
+
+def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
+    """A named ``(pp, dp, tp)`` mesh over the default group (which must already exist).
+
+    Ranks are laid out tp-fastest, so a tensor-parallel group sits on one node's GPUs.
+    """
+    mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS)
+    ledger = CommLedger()
+    comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
+    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger)

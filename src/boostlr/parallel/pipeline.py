@@ -1,0 +1,207 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining`` (DESIGN.md §4, §4.1).
+
+Layers are split evenly into stages: the embedding on the first, final norm + head on the
+last (the loss is the vocab-parallel cross-entropy of the last stage's logits). A stage
+boundary carries the residual (BTP: this rank's ``[mb, s, d/t]`` slice; Megatron/vanilla:
+the replicated ``[mb, s, d]``) plus, for LaX, the seven latents in ``LATENT_NAMES`` order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from boostlr.config import ParallelConfig, RunConfig
+from boostlr.parallel.collectives import GroupComm
+from boostlr.parallel.tensor_parallel import LATENT_NAMES, TensorParallelModel
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def stage_ids(p: ParallelConfig, pp_rank: int) -> list[int]:
+    """Global stage indices held by ``pp_rank`` (interleaved: loop order, rank + k*pp)."""
+    return [pp_rank + k * p.pp for k in range(p.virtual_stages)]
+
+
+def stage_layers(n_layers: int, num_stages: int, stage: int) -> range:
+    per = n_layers // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:
+    """Shapes of the tensors one stage hands to the next, for one pipeline micro-batch."""
+    m, s = cfg.model, cfg.data.seq_len
+    d = m.dim // tp if cfg.parallel.strategy_for(m.arch) == "btp" else m.dim
+    shapes = [torch.Size((micro, s, d))]
+    if m.arch == "lax":
+        shapes += [torch.Size((micro, s, m.rank))] * len(LATENT_NAMES)
+    return shapes
+
+
+class _RecordGradSend(torch.autograd.Function):
+    """Identity; records the input gradient the stage sends back to the previous stage."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: GroupComm) -> Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        ctx.comm.ledger.record(
+            "send", ctx.comm.name, "bwd", grad.numel() * grad.element_size(), grad.numel(), "grad"
+        )
+        return grad, None
+
+
+def record_sends(part: TensorParallelModel, comm: GroupComm) -> None:
+    """Record what the stage hands to the point-to-point layer (forward outputs, input grads).
+
+    Forward hooks on the stage module: the p2p sends themselves happen inside torch.
+    """
+
+    def pre(module, args):
+        if part.model.first:
+            return None
+        return tuple(_RecordGradSend.apply(a, comm) for a in args)
+
+    def post(module, args, out):
+        if part.model.last or not torch.is_grad_enabled():
+            return None
+        for t in out if isinstance(out, tuple) else (out,):
+            comm.ledger.record(
+                "send", comm.name, "fwd", t.numel() * t.element_size(), t.numel(), "act"
+            )
+        return None
+
+    part.register_forward_pre_hook(pre)
+    part.register_forward_hook(post)
+
+
+class Pipeline:
+    """The schedule over this rank's stages; one :meth:`step` runs a batch's fwd + bwd."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        stages: list[TensorParallelModel],
+        pp: GroupComm,
+        device: torch.device,
+        loss_scale: float,
+    ):
+        p = cfg.parallel
+        self.parts, self.pp, self.ids = stages, pp, stage_ids(p, pp.rank)
+        self.num_stages = p.num_stages
+        self.micro = cfg.train.batch_size // p.pp_microbatches
+        self.boundary = boundary_shapes(cfg, self.micro, stages[0].ctx.comm.size)
+        self.loss_scale = loss_scale
+        self.losses: list[Tensor] = []
+        pipeline_stages = []
+        for part, sid in zip(stages, self.ids, strict=True):
+            record_sends(part, pp)
+            pipeline_stages.append(
+                PipelineStage(
+                    part,
+                    sid,
+                    self.num_stages,
+                    device,
+                    input_args=self._example_inputs(sid, device),
+                    output_args=self._example_outputs(sid, part, device),
+                    group=pp.group,
+                )
+            )
+        loss_fn = self._loss_fn(stages[-1])
+        if p.pp_schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(
+                pipeline_stages, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        else:
+            (stage,) = pipeline_stages
+            self.schedule = SCHEDULES[p.pp_schedule](
+                stage, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        self.microbatches = p.pp_microbatches
+        self.has_last = any(part.model.last for part in stages)
+
+    def _example_inputs(self, sid: int, device: torch.device) -> tuple[Tensor, ...]:
+        if sid == 0:
+            return (torch.zeros(self.micro, self.boundary[0][1], dtype=torch.long, device=device),)
+        # Received activations need gradients: the stage sends their grads back.
+        return tuple(torch.zeros(s, device=device, requires_grad=True) for s in self.boundary)
+
+    def _example_outputs(self, sid: int, part: TensorParallelModel, device) -> tuple[Tensor, ...]:
+        if sid < self.num_stages - 1:  # requires_grad: the next stage sends their grads
+            return tuple(torch.zeros(s, device=device, requires_grad=True) for s in self.boundary)
+        vocab = (
+            part.model.lm_head.weight.to_local().shape[0]
+            if hasattr(part.model.lm_head.weight, "to_local")
+            else part.model.lm_head.weight.shape[0]
+        )
+        return (torch.zeros(self.micro, self.boundary[0][1], vocab, device=device),)
+
+    def _loss_fn(self, last: TensorParallelModel) -> Callable[[Tensor, Tensor], Tensor]:
+        def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+            loss = last.loss(logits, targets)
+            self.losses.append(loss.detach())
+            return loss * self.loss_scale / self.microbatches
+
+        return loss_fn
+
+    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward + backward of one batch; the mean loss on the last stage, else 0."""
+        self.losses = []
+        self.schedule.step(inputs, target=targets)
+        if not self.losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack(self.losses).mean()
+
+
+def evaluate_pipeline(
+    stages: list[TensorParallelModel],
+    cfg: RunConfig,
+    pp: GroupComm,
+    inputs: Tensor,
+    targets: Tensor,
+) -> Tensor:
+    """Forward-only pass through every stage in order; the mean loss on every pp rank.
+
+    Plain point-to-point sends over the pp group (no schedule: no backward to overlap).
+    """
+    by_id = dict(zip(stage_ids(cfg.parallel, pp.rank), stages, strict=True))
+    num_stages = cfg.parallel.num_stages
+    shapes = boundary_shapes(cfg, inputs.shape[0], stages[0].ctx.comm.size)
+    out: tuple[Tensor, ...] = ()
+    loss = torch.zeros((), device=inputs.device)
+    for sid in range(num_stages):
+        if sid not in by_id:
+            continue
+        part = by_id[sid]
+        if sid == 0:
+            args: tuple[Tensor, ...] = (inputs,)
+        elif sid - 1 in by_id:
+            args = out
+        else:
+            args = tuple(torch.empty(s, device=inputs.device) for s in shapes)
+            for t in args:
+                dist.recv(t, group_src=(sid - 1) % pp.size, group=pp.group)
+        result = part(*args)
+        if sid == num_stages - 1:
+            loss = part.loss(result, targets).float()
+        else:
+            out = result if isinstance(result, tuple) else (result,)
+            if sid + 1 not in by_id:
+                for t in out:
+                    dist.send(t.float().contiguous(), group_dst=(sid + 1) % pp.size, group=pp.group)
+    last_rank = (num_stages - 1) % pp.size
+    loss = loss.reshape(1).contiguous()
+    dist.broadcast(loss, group_src=last_rank, group=pp.group)
+    return loss.reshape(())
