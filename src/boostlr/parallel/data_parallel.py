@@ -11,7 +11,6 @@ all-gather / reduce-scatter hooks, with the same payload convention (the full bu
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
@@ -72,5 +71,3 @@ def apply_data_parallel(part: TensorParallelModel, comms: MeshComms, mode: str) 
         assert isinstance(module, FSDPModule)
         module.set_custom_all_gather(_RecordedAllGather(comms.dp))
         module.set_custom_reduce_scatter(_RecordedReduceScatter(comms.dp))
-        if dist.get_backend(comms.dp.group) == "gloo":  # gloo rejects PREMUL_SUM
-            module.set_force_sum_reduction_for_comms(True)

@@ -79,7 +79,8 @@ def init_distributed(device: torch.device, expected_world: int, timeout_s: float
     if world != expected_world:
         raise BoostlrError(
             f"the launcher started {world} ranks but the config needs {expected_world} "
-            f"(parallel.tp): start {expected_world} ranks or change --parallel.tp"
+            f"(parallel.pp x dp x tp): start {expected_world} ranks, or change the degrees "
+            "(--parallel.dp -1 fills the world)"
         )
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

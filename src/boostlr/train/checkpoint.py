@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from boostlr.errors import CheckpointError
@@ -143,7 +145,74 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    return load_file(ckpt.path / MODEL_FILE)
+    """Full-shape weights by name (one process: export, generate, tests)."""
+    if not ckpt.meta.get("sharded"):
+        return load_file(ckpt.path / MODEL_FILE)
+    metadata = dcp.FileSystemReader(str(ckpt.path)).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.items()
+        if key.startswith("model.") and hasattr(md, "size")
+    }
+    dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
+    return {key.removeprefix("model."): value for key, value in state.items()}
+
+
+def save_sharded_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    meta: dict[str, Any],
+    extra_files: dict[str, Path],
+    keep: int,
+    rank: int,
+) -> Path | None:
+    """Every rank writes its own shards with ``torch.distributed.checkpoint`` (no gather).
+
+    Collective over the default group. Into a temp directory first; rank 0 then hashes each
+    file once, writes ``meta.json`` last, renames the directory into place and fsyncs.
+    """
+    final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".tmp-step_{step}"
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_dirs(ckpt_root)
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    trainer_file = tmp / f"trainer_rank{rank}.pt"
+    torch.save(trainer_state, trainer_file)
+    fsync_file(trainer_file)
+    dist.barrier()
+    if rank == 0:
+        for name, source in extra_files.items():
+            shutil.copyfile(source, tmp / name)
+        files = {}
+        for file in sorted(tmp.iterdir()):
+            fsync_file(file)
+            files[file.name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
+        full_meta = {"format": FORMAT_VERSION, "step": step, "sharded": True, "files": files}
+        (tmp / META_FILE).write_text(json.dumps({**full_meta, **meta}, indent=2))
+        fsync_file(tmp / META_FILE)
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(ckpt_root)
+        for old in list_checkpoints(ckpt_root)[:-keep]:
+            shutil.rmtree(old.path, ignore_errors=True)
+    dist.barrier()
+    return final if rank == 0 else None
+
+
+def load_sharded_state(ckpt: Checkpoint, state: dict[str, Any]) -> None:
+    """Load a sharded checkpoint in place into ``state`` (this rank's DTensors)."""
+    if not ckpt.meta.get("sharded"):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} was written by one process: resume it with one process "
+            "(parallel degrees 1), or start a new run"
+        )
+    dcp.load(state, checkpoint_id=str(ckpt.path))
 
 
 def load_trainer_state(ckpt: Checkpoint) -> dict[str, Any]:

@@ -6,6 +6,7 @@ moments, data position, RNG); the learning-rate schedule is a pure function of t
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import sys
@@ -30,27 +31,22 @@ from boostlr.errors import (
 )
 from boostlr.fsutil import write_text_atomic
 from boostlr.models.counting import flops_per_token
-from boostlr.models.llama import build_model
-from boostlr.parallel.collectives import CommLedger, GroupComm
-from boostlr.parallel.context import TPContext
+from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
-from boostlr.parallel.tensor_parallel import (
-    TensorParallelModel,
-    clip_gradients,
-    full_optimizer_state,
-    load_full_optimizer_state,
-)
+from boostlr.parallel.tensor_parallel import full_optimizer_state, load_full_optimizer_state
 from boostlr.train.checkpoint import (
     Checkpoint,
     load_model_state,
+    load_sharded_state,
     load_trainer_state,
     newest_checkpoint,
     newest_verified_checkpoint,
     read_checkpoint,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
-from boostlr.train.optim import build_optimizer, lr_at, set_lr
+from boostlr.train.optim import build_optimizer, init_optimizer_state, lr_at, set_lr
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -138,6 +134,8 @@ def _train_under_launcher(
 def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
     """One rank started by :func:`launch` (module level: it is pickled to the child)."""
     cfg = from_dict(cfg_dict)
+    # DTensor logs a performance note for every checkpointed 2-D (dp x tp) shard.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     device = resolve_device(cfg.parallel.device)
     init_distributed(device, cfg.parallel.world_size)
     rank = dist.get_rank()
@@ -197,6 +195,25 @@ def _write_run_dir(cfg: RunConfig, run_dir: Path, dataset: TokenDataset) -> None
     write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
 
 
+@dataclass
+class RunState:
+    """What the step loop advances: this rank's model part, optimizer and data position."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader
+    val_data: list[tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+    start_step: int
+    rank: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.model.comms.mesh is not None
+
+
 def _train_rank(
     cfg: RunConfig,
     run_dir: Path,
@@ -205,81 +222,100 @@ def _train_rank(
     device: torch.device,
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
 ) -> TrainResult:
-    """Build this rank's shard of the model and run the loop (opening the data if needed)."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    ledger = CommLedger()
-    comm = GroupComm(group, "tp", ledger)
-    misc = GroupComm(group, "tp_misc", ledger)  # grad-norm statistics: not model traffic
-
-    train_ds, val_ds = datasets or open_datasets(cfg)
-    loader = BatchLoader(train_ds, cfg.train.batch_size, cfg.data.seq_len, seed=cfg.train.seed)
-    val_data = val_batches(val_ds, cfg.train.batch_size, cfg.data.seq_len, cfg.data.val_batches)
+    """Build this rank's part of the model, restore a checkpoint, run the loop."""
     torch.manual_seed(cfg.train.seed)
     if device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-    full = build_model(cfg.model, seed=cfg.train.seed, device="cpu")
-    # Verified by the caller before any rank started; read it as it is.
-    ckpt = read_checkpoint(Path(ckpt_path)) if ckpt_path else None
-    if ckpt is not None:
-        _load_weights(ckpt, full)
-    p = cfg.parallel
-    ctx = TPContext(comm, cfg.model, norm=p.norm, grouping=p.grouping, act_ckpt=p.act_ckpt)
-    model = TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx).to(device)
-    optimizer = build_optimizer(model, cfg.train)
-    start_step = 0
-    if ckpt is not None:
-        trainer = load_trainer_state(ckpt)
-        load_full_optimizer_state(model, optimizer, trainer["optimizer"])
-        loader.load_state_dict(trainer["loader"])
-        torch.set_rng_state(trainer["rng"]["cpu"])
-        if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
-        start_step = ckpt.step
-        if rank == 0:
-            truncate_after(run_dir / METRICS_FILE, start_step)
-    return _run(
-        cfg, run_dir, model, optimizer, loader, val_data, device, start_step, misc, rank, console
-    )
+    model = ParallelModel.build(cfg, device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    train_ds, val_ds = datasets or open_datasets(cfg)
+    dp = model.comms.dp
+    t, seq = cfg.train, cfg.data.seq_len
+    loader = BatchLoader(train_ds, t.batch_size, seq, seed=t.seed, dp_rank=dp.rank, dp_size=dp.size)
+    val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches)
+    # Optimizer on this rank's (DTensor) parameters; fused kernels are for plain tensors.
+    optimizer = build_optimizer(model.parameters(), t, fused=model.comms.mesh is None)
+    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, 0, rank)
+    if ckpt_path is not None:
+        # Verified by the caller before any rank started; read it as it is.
+        _restore(state, read_checkpoint(Path(ckpt_path)))
+    return _run(state, console)
 
 
-def _load_weights(ckpt: Checkpoint, model) -> None:
-    state = load_model_state(ckpt)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied_only = missing == ["lm_head.weight"] and model.cfg.tie_embeddings
+def _restore(state: RunState, ckpt: Checkpoint) -> None:
+    if state.distributed:
+        trainer = _restore_sharded(state, ckpt)
+    else:
+        trainer = _restore_single(state, ckpt)
+    state.loader.load_state_dict(trainer["loader"])
+    torch.set_rng_state(trainer["rng"]["cpu"])
+    if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
+    state.start_step = ckpt.step
+    if state.rank == 0:
+        truncate_after(state.run_dir / METRICS_FILE, ckpt.step)
+
+
+def _restore_single(state: RunState, ckpt: Checkpoint) -> dict:
+    (part,) = state.model.stages
+    if ckpt.meta.get("sharded"):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} is sharded (written by several ranks): resume it with "
+            "its own layout (--parallel.*), or export it"
+        )
+    weights = load_model_state(ckpt)
+    missing, unexpected = part.model.load_state_dict(weights, strict=False)
+    tied_only = missing == ["lm_head.weight"] and part.cfg.tie_embeddings
     if unexpected or (missing and not tied_only):
         raise CheckpointError(
             f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}): resume with the run's own config"
         )
+    trainer = load_trainer_state(ckpt)
+    load_full_optimizer_state(part, state.optimizer, trainer["optimizer"])
+    return trainer
 
 
-def _run(
-    cfg: RunConfig,
-    run_dir: Path,
-    model: TensorParallelModel,
-    optimizer: torch.optim.Optimizer,
-    loader: BatchLoader,
-    val_data: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    start_step: int,
-    misc: GroupComm,
-    rank: int,
-    console: bool,
-) -> TrainResult:
-    """The step loop; every rank runs it, rank 0 alone writes metrics and checkpoints."""
-    t = cfg.train
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len
+def _restore_sharded(state: RunState, ckpt: Checkpoint) -> dict:
+    saved_layout = ckpt.meta.get("layout")
+    if saved_layout != layout_of(state.cfg):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} was written at layout {saved_layout}, this run is "
+            f"{layout_of(state.cfg)}: resume with the same --parallel.* degrees"
+        )
+    init_optimizer_state(state.optimizer)
+    load_sharded_state(ckpt, sharded_state(state))
+    return torch.load(ckpt.path / f"trainer_rank{state.rank}.pt", weights_only=True)
+
+
+def layout_of(cfg: RunConfig) -> dict:
+    p = cfg.parallel
+    return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "strategy": p.strategy_for(cfg.model.arch)}
+
+
+def sharded_state(state: RunState) -> dict:
+    """Model and optimizer state by global parameter name (this rank's DTensor shards)."""
+    named = state.model.named_parameters()
+    return {
+        "model": dict(named),
+        "optim": {name: state.optimizer.state[p] for name, p in named},
+    }
+
+
+def _run(state: RunState, console: bool) -> TrainResult:
+    """The step loop; every rank runs it, rank 0 alone writes metrics."""
+    cfg, model, optimizer, run_dir = state.cfg, state.model, state.optimizer, state.run_dir
+    t, start_step = cfg.train, state.start_step
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.parallel.dp * cfg.data.seq_len
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
+        torch.autocast(state.device.type, dtype=torch.bfloat16)
         if t.dtype == "bfloat16"
         else nullcontext()
     )
-    ledger = model.ctx.comm.ledger
-    metrics = MetricsLog(run_dir / METRICS_FILE) if rank == 0 else None
-    progress = ConsoleProgress(t.steps, start_step, enabled=console and rank == 0)
+    ledger = model.comms.ledger
+    metrics = MetricsLog(run_dir / METRICS_FILE) if state.rank == 0 else None
+    progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
     if start_step:
         progress.print(f"resumed {run_dir} at step {start_step}")
     last_ckpt: Path | None = None
@@ -292,15 +328,13 @@ def _run(
             lr = lr_at(step - 1, t)
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
-            total = torch.zeros((), device=device)
+            total = torch.zeros((), device=state.device)
             for _ in range(t.grad_accum):
-                inputs, targets = (x.to(device) for x in next(loader))
+                inputs, targets = next(state.loader)
                 with autocast:
-                    loss = model(inputs, targets)
-                (loss / t.grad_accum).backward()
-                total += loss.detach()
-            loss_value = total.item() / t.grad_accum
-            grad_norm = clip_gradients(model, t.grad_clip, misc)
+                    total += model.forward_backward(inputs, targets)
+            loss_value = model.global_mean(total / t.grad_accum)
+            grad_norm = model.clip_gradients(t.grad_clip)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 kept = str(last_ckpt or newest_checkpoint(run_dir / "checkpoints") or "none")
                 raise TrainingDiverged(
@@ -309,7 +343,7 @@ def _run(
                     "or use --train.dtype float32, then --resume"
                 )
             optimizer.step()
-            if device.type == "cuda":
+            if state.device.type == "cuda":
                 torch.cuda.synchronize()
             window_time += time.perf_counter() - started
             window_steps += 1
@@ -326,13 +360,13 @@ def _run(
                     "step_time_s": step_time,
                     "tokens": step * tokens_per_step,
                     "flops_per_s": flops_tok * tokens_per_step / step_time,
-                    **ledger.step_metrics("comm_tp", group="tp"),
+                    **model.step_metrics(),
                 }
                 if metrics is not None:
                     metrics.write(row)
                 window_time, window_steps = 0.0, 0
             if step % t.eval_every == 0 or step == t.steps:
-                val_loss = evaluate(model, val_data, device, autocast)
+                val_loss = model.evaluate(state.val_data, autocast)
                 if metrics is not None:
                     metrics.write(
                         {"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
@@ -341,7 +375,7 @@ def _run(
                     f"step {step:>6}  val_loss {val_loss:.4f}  ppl {math.exp(val_loss):.1f}"
                 )
             if step % t.ckpt_every == 0 or step == t.steps:
-                last_ckpt = _save(cfg, run_dir, step, model, optimizer, loader, rank)
+                last_ckpt = _save(state, step)
             progress.update(step, row)
     finally:
         progress.close()
@@ -354,54 +388,37 @@ def _run(
     return TrainResult(run_dir, t.steps, loss_value, val_loss)
 
 
-@torch.no_grad()
-def evaluate(
-    model: TensorParallelModel,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    autocast,
-) -> float:
-    model.eval()
-    losses = []
-    for inputs, targets in batches:
-        with autocast:
-            losses.append(model(inputs.to(device), targets.to(device)).float().item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def _save(
-    cfg: RunConfig,
-    run_dir: Path,
-    step: int,
-    model: TensorParallelModel,
-    optimizer: torch.optim.Optimizer,
-    loader: BatchLoader,
-    rank: int,
-) -> Path | None:
-    """Gather full-shape weights and optimizer state (every rank), rank 0 writes them.
-
-    The files are identical whatever the TP layout, so export and resume need not know it.
-    Tied embeddings store ``embed_tokens`` once (safetensors refuses shared storage).
-    """
-    state = model.full_state_dict()
-    optim_state = full_optimizer_state(model, optimizer)
-    if rank != 0:
-        return None
+def _save(state: RunState, step: int) -> Path | None:
+    """One process: full-shape safetensors; several: every rank writes its own shards."""
+    cfg, run_dir = state.cfg, state.run_dir
     trainer = {
-        "optimizer": optim_state,
-        "loader": loader.state_dict(),
+        "loader": state.loader.state_dict(),
         "rng": {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         },
     }
+    meta = {"config": to_dict(cfg), "layout": layout_of(cfg)}
+    extra = {TOKENIZER_FILE: run_dir / TOKENIZER_FILE}
+    if state.distributed:
+        return save_sharded_checkpoint(
+            run_dir / "checkpoints",
+            step,
+            sharded_state(state),
+            trainer,
+            meta,
+            extra,
+            cfg.train.keep_checkpoints,
+            state.rank,
+        )
+    (part,) = state.model.stages
+    trainer["optimizer"] = full_optimizer_state(part, state.optimizer)
     return save_checkpoint(
         run_dir / "checkpoints",
         step,
-        state,
+        part.full_state_dict(),
         trainer,
-        meta={"config": to_dict(cfg)},
-        extra_files={TOKENIZER_FILE: run_dir / TOKENIZER_FILE},
+        meta=meta,
+        extra_files=extra,
         keep=cfg.train.keep_checkpoints,
     )

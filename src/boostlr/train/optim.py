@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -10,10 +11,12 @@ from torch import nn
 from boostlr.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    params: Iterable[nn.Parameter], cfg: TrainConfig, fused: bool = True
+) -> torch.optim.AdamW:
     """Weight decay on matrices (linears, embeddings); none on norm gains, as in LLaMA."""
     decay, no_decay = [], []
-    for param in model.parameters():
+    for param in params:
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [
@@ -21,10 +24,24 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": no_decay, "weight_decay": 0.0},
     ]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if not fused:
+        return torch.optim.AdamW(groups, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):  # fused kernels missing for this device/dtype
         return torch.optim.AdamW(groups, **kwargs)
+
+
+def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
+    """Create AdamW's (zero) state now, as its first step would, so a checkpoint loads into it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
