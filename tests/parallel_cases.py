@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig, build_config
@@ -11,6 +14,9 @@ from boostlr.parallel.engine import ParallelModel
 
 VOCAB = 101
 SEQ = 8
+
+# DTensor logs a performance note for every 2-D full_tensor() the checks make.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def layout_config(arch: str, strategy: str, pp: int, dp: int, tp: int, **extra) -> RunConfig:
@@ -76,3 +82,66 @@ def compare_one_step(rank: int, world: int, cfg: RunConfig) -> dict:
         "metrics": model.step_metrics(),
         "names": sorted(n for n, _ in model.named_parameters()),
     }
+
+
+def _gather_full_weights(model: ParallelModel) -> dict[str, torch.Tensor]:
+    """Every parameter's full value on every rank (test-only: the layout is tiny)."""
+    mine = {n: full_value(p).clone() for n, p in model.named_parameters()}
+    pp = model.comms.pp
+    if pp.size == 1:
+        return mine
+    parts: list = [None] * pp.size
+    dist.all_gather_object(parts, mine, group=pp.group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
+    """``steps`` clipped AdamW steps; each compared with one device from identical weights.
+
+    Before every step the single-device model takes the 3D model's current weights, so the
+    check never compares two diverging trajectories: one step's loss, gradients and global
+    gradient norm must agree to fp32 reduction-order noise, whatever the CPU's kernels.
+    """
+    from boostlr.train.optim import build_optimizer
+
+    device = torch.device("cpu")
+    model = ParallelModel.build(cfg, device)
+    opt = build_optimizer(model.parameters(), cfg.train, fused=False)
+    ref = build_model(cfg.model, seed=cfg.train.seed)
+    ref_params = dict(ref.named_parameters())
+    b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
+    mine = slice(dp_rank * b, (dp_rank + 1) * b)
+    report = {"losses": [], "ref_losses": [], "grad_errors": [], "norms": [], "ref_norms": []}
+    for _ in range(steps):
+        weights = _gather_full_weights(model)
+        with torch.no_grad():
+            for name, p in ref_params.items():
+                p.copy_(weights[name])
+        inputs, targets = global_batch(cfg)  # one batch: the loss must fall
+        ref.zero_grad()
+        ref_loss = ref(inputs, targets)
+        ref_loss.backward()
+        ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref_params.values()))
+
+        opt.zero_grad()
+        loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
+        worst = 0.0
+        for name, p in model.named_parameters():
+            g, r = full_grad(p), ref_params[name].grad
+            worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+        norm = model.clip_gradients(cfg.train.grad_clip)
+        opt.step()
+        report["losses"].append(loss)
+        report["ref_losses"].append(ref_loss.item())
+        report["grad_errors"].append(worst)
+        report["norms"].append(norm)
+        report["ref_norms"].append(ref_norm.item())
+    report["metrics"] = model.step_metrics()
+    report["coords"] = (model.comms.pp.rank, model.comms.dp.rank, model.comms.tp.rank)
+    report["local_numel"] = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    return report
+
+
+def run_cases(rank: int, world: int, cases: list[tuple[str, RunConfig, int]]) -> dict:
+    """Several layouts in one process group (a fresh mesh each)."""
+    return {label: follow_curve(rank, world, cfg, steps) for label, cfg, steps in cases}

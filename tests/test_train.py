@@ -11,6 +11,7 @@ import torch
 
 from boostlr.config import RunConfig, build_config
 from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
+from boostlr.parallel import engine
 from boostlr.train import checkpoint as ckpt_module
 from boostlr.train import loop
 from boostlr.train.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
@@ -128,7 +129,7 @@ def test_corrupted_checkpoint_is_rejected(small_dataset: Path, tmp_path: Path) -
 def test_divergence_stops_and_keeps_last_good_checkpoint(
     small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_build = loop.build_model
+    real_build = engine.build_model
 
     def poisoned_build(*args, **kwargs):
         model = real_build(*args, **kwargs)
@@ -136,17 +137,17 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(
         count = {"n": 0}
 
         def head(x, targets=None):
-            loss = real_head(x, targets)
+            out = real_head(x, targets)
             if model.training:
                 count["n"] += 1
                 if count["n"] == 5:
-                    return loss * float("nan")
-            return loss
+                    return out * float("nan")
+            return out
 
         model.head = head
         return model
 
-    monkeypatch.setattr(loop, "build_model", poisoned_build)
+    monkeypatch.setattr(engine, "build_model", poisoned_build)
     run = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match="step 5 is not finite") as info:
         loop.train(tiny_run_config(small_dataset), run, console=False)

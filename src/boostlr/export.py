@@ -25,7 +25,7 @@ from boostlr.data.tokenizer import eos_id, load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
 from boostlr.models.llama import LlamaModel, build_model
-from boostlr.train.checkpoint import META_FILE, MODEL_FILE, open_checkpoint
+from boostlr.train.checkpoint import META_FILE, MODEL_FILE, load_model_state, open_checkpoint
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -103,7 +103,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
             f"checkpoint {ckpt.path} has no {TOKENIZER_FILE}: export a checkpoint written by "
             "boostlr train"
         )
-    model_state = load_file(ckpt.path / MODEL_FILE)
+    model_state = load_model_state(ckpt)
     if cfg.tie_embeddings:
         model_state.pop(LM_HEAD, None)  # HF ties lm_head to embed_tokens itself
     tensors = {k: v.contiguous() for k, v in hf_state_dict(model_state).items()}
@@ -133,7 +133,7 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Lla
     elif (path / META_FILE).is_file() or (path / "checkpoints").is_dir():
         ckpt = open_checkpoint(path)
         cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
-        state = load_file(ckpt.path / MODEL_FILE)
+        state = load_model_state(ckpt)
         source = ckpt.path
     else:
         raise BoostlrError(
