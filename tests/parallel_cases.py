@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from boostlr.config import RunConfig, build_config
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
+from boostlr.parallel.sharding import chunk_range
 
 VOCAB = 101
 SEQ = 8
@@ -139,9 +141,33 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
     report["metrics"] = model.step_metrics()
     report["coords"] = (model.comms.pp.rank, model.comms.dp.rank, model.comms.tp.rank)
     report["local_numel"] = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    if model.comms.pp.size == 1:
+        report["fsdp_modules"] = fsdp_module_elements(model)
     return report
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, RunConfig, int]]) -> dict:
     """Several layouts in one process group (a fresh mesh each)."""
     return {label: follow_curve(rank, world, cfg, steps) for label, cfg, steps in cases}
+
+
+def fsdp_module_elements(model: ParallelModel) -> list[int]:
+    """Padded local shard elements of each FSDP module (every block, then the root)."""
+    dp, tp, tp_rank = model.comms.dp.size, model.comms.tp.size, model.comms.tp.rank
+    (part,) = model.stages
+
+    def padded(name: str, p: torch.Tensor) -> int:
+        shape = list(p.shape)  # global
+        dim = part.specs[name].dim
+        if dim is not None:
+            start, end = chunk_range(shape[dim], tp_rank, tp)
+            shape[dim] = end - start
+        return -(-shape[0] // dp) * math.prod(shape[1:])
+
+    named = dict(part.model.named_parameters())
+    blocks = [
+        sum(padded(f"layers.{i}.{n}", p) for n, p in block.named_parameters())
+        for i, block in part.model.layers.items()
+    ]
+    root = sum(padded(n, p) for n, p in named.items() if not n.startswith("layers."))
+    return [*blocks, root]

@@ -11,6 +11,8 @@ import pytest
 from distributed import run_distributed
 from parallel_cases import layout_config, run_cases
 
+from boostlr.analysis.comm import fsdp_bytes, pp_send_bytes
+
 TOL = 2e-5  # max |g - g_ref| / max |g_ref| per tensor: fp32 reduction-order noise
 LOSS_TOL = 1e-5
 
@@ -41,10 +43,43 @@ def test_dp_and_pp_with_tp_match_single_device_gradients() -> None:
         cases.append((f"dp2tp2 {arch} {strategy}", layout_config(arch, strategy, 1, 2, 2), 1))
         cases.append((f"pp2tp2 {arch} {strategy}", layout_config(arch, strategy, 2, 1, 2), 1))
     ddp = layout_config("svd", "btp", 1, 2, 2, **{"parallel.dp_mode": "ddp"})
-    cases.append(("dp2tp2 svd btp ddp", ddp, 2))
+    cases.append(("dp2tp2 svd btp ddp", ddp, 1))
+    cases.append(("dp2tp2 svd btp ddp 2 steps", ddp, 2))
     lowrank_ckpt = layout_config("cola", "btp", 2, 1, 2, **{"parallel.act_ckpt": "lowrank"})
     cases.append(("pp2tp2 cola btp lowrank-ckpt", lowrank_ckpt, 1))
-    run(4, cases)
+    per_rank = run(4, cases)
+    for reports in per_rank:
+        for label, report in reports.items():
+            assert_ledger(label, report, dict(cases_by_label(cases))[label])
+
+
+def cases_by_label(cases):
+    return [(label, cfg) for label, cfg, _ in cases]
+
+
+def assert_ledger(label: str, report: dict, cfg) -> None:
+    """One step's dp and pp bytes equal the formulas of analysis/comm.py."""
+    p, m = cfg.parallel, cfg.model
+    metrics = report["metrics"]
+    pp_rank = report["coords"][0]
+    micro_tokens = cfg.train.batch_size // p.pp_microbatches * cfg.data.seq_len
+    expected_pp = (
+        pp_send_bytes(
+            m,
+            p.strategy_for(m.arch),
+            p.tp,
+            micro_tokens,
+            p.pp_microbatches,
+            first=pp_rank == 0,
+            last=pp_rank == p.pp - 1,
+        )
+        if p.pp > 1
+        else 0
+    )
+    assert metrics["comm_pp_bytes"] == expected_pp, (label, metrics, expected_pp)
+    if p.pp == 1 and len(report["losses"]) == 1:
+        expected_dp = fsdp_bytes(report["fsdp_modules"], p.dp, 1, p.dp_mode == "fsdp")
+        assert metrics["comm_dp_bytes"] == expected_dp, (label, metrics, expected_dp)
 
 
 MATRIX = [  # (arch, strategy, schedule, extra): each schedule under btp and a baseline

@@ -114,3 +114,43 @@ def per_block_forward(cfg: ModelConfig, strategy: str, tp: int, tokens: int, **o
     two = tp_comm_volume(replace(cfg, n_layers=2), strategy, tp, tokens, **options)
     one = tp_comm_volume(replace(cfg, n_layers=1), strategy, tp, tokens, **options)
     return two.fwd - one.fwd
+
+
+def pp_send_bytes(
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    micro_tokens: int,
+    microbatches: int,
+    first: bool,
+    last: bool,
+    act_size: int = FP32,
+) -> int:
+    """Point-to-point bytes one pipeline rank sends per schedule step (one stage per rank).
+
+    A stage sends its output activations forward (unless last) and its input gradients
+    back (unless first), once per pipeline micro-batch of ``micro_tokens`` tokens: the
+    residual (BTP: this rank's ``d/t`` slice; else the whole ``d``) in fp32, plus LaX's seven
+    ``[T, r]`` latents in the activation dtype.
+    """
+    d = cfg.dim // tp if strategy == "btp" else cfg.dim
+    per_tensor = micro_tokens * d * FP32
+    if cfg.arch == "lax":
+        per_tensor += 7 * micro_tokens * cfg.rank * act_size
+    directions = (0 if last else 1) + (0 if first else 1)
+    return directions * microbatches * per_tensor
+
+
+def fsdp_bytes(module_shard_elements: list[int], dp: int, micro_batches: int, reshard: bool) -> int:
+    """FSDP2 traffic of one rank per step without pipelining (payload = the full buffer).
+
+    Each module (every block, then the root holding embedding/final norm/head) all-gathers
+    its parameters in every forward, again in the backward when resharded after forward
+    (``fsdp`` mode; boostlr asks it of the root too), and reduce-scatters its gradients after
+    every backward. ``module_shard_elements[i]``: module i's padded local shard elements
+    (fp32, dim 0 padded to a multiple of dp).
+    """
+    if dp == 1:
+        return 0
+    full = sum(n * dp * FP32 for n in module_shard_elements)
+    return micro_batches * (3 if reshard else 2) * full
