@@ -96,6 +96,25 @@ def test_tp_checkpoint_exports_like_a_single_device_run(
         ),
         (["--parallel.tp", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
         (["--parallel.norm", "fast"], "parallel.norm 'fast'"),
+        (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.nproc", "2"], "pp 2 x dp 2"),
+        (["--parallel.pp", "3"], "exceeds model.n_layers"),
+        (["--model.n_layers", "3", "--parallel.pp", "2"], "not divisible by pp 2"),
+        (
+            ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved"],
+            "pp x pp_virtual = 4",
+        ),
+        (["--parallel.pp", "2", "--parallel.microbatches", "1"], "at least as many micro-batches"),
+        (
+            ["--parallel.pp", "2", "--parallel.microbatches", "3", "--train.batch_size", "4"],
+            "not divisible by the 3 pipeline",
+        ),
+        (["--parallel.pp", "2", "--model.tie_embeddings", "true"], "across pipeline stages"),
+        (
+            ["--parallel.dp", "2", "--train.batch_size", "3", "--train.global_batch", "8"],
+            "train.global_batch 8 is not a multiple",
+        ),
+        (["--parallel.dp", "-1"], "no world size is known"),
+        (["--parallel.dp_mode", "zero"], "parallel.dp_mode 'zero'"),
     ],
 )
 def test_bad_layouts_fail_before_any_process_group(
@@ -122,3 +141,31 @@ def test_a_diverging_tp_run_exits_1_with_each_ranks_message(
     assert lines and all("training diverged" in x and "is not finite" in x for x in lines)
     assert "training failed on rank(s)" in err.strip().splitlines()[-1]
     assert "Traceback" not in err
+
+
+def test_dp2_consumes_the_dp1_global_batch_and_resumes_bitwise(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """``boostlr train`` at dp 2 (global_batch 8 = batch 2 x accum 2 x dp 2) against dp 1."""
+    one, two = tmp_path / "dp1", tmp_path / "dp2"
+    loop.train(tiny_run_config(small_dataset, **{"train.grad_accum": 2}), one, console=False)
+    dp2 = {"parallel.dp": 2, "train.batch_size": 2, "train.global_batch": 8}
+    loop.train(tiny_run_config(small_dataset, **dp2), two, console=False)
+    cfg = build_config(two / "config.toml")
+    assert cfg.train.grad_accum == 2  # derived from global_batch
+    single, data_parallel = train_rows(one), train_rows(two)
+    # Step 1 starts from identical weights and sees the same 8 sequences: fp32 noise only.
+    assert abs(single[1] - data_parallel[1]) <= 1e-5 * single[1]
+    # Later steps follow (exact per-step agreement is tested from identical weights in
+    # test_parallel_3d; here Adam's 1/sqrt(v) lets reduction-order noise grow a little).
+    for step in single:
+        assert abs(single[step] - data_parallel[step]) <= 1e-3 * single[step], step
+    rows = [r for r in metric_rows(two) if "loss" in r]
+    assert all(r["comm_dp_bytes"] > 0 and r["comm_pp_bytes"] == 0 for r in rows)
+    assert all(r["comm_tp_bytes"] == 0 for r in rows)
+
+    ckpt = two / "checkpoints" / "step_6"
+    assert json.loads((ckpt / "meta.json").read_text())["sharded"] is True
+    shutil.rmtree(ckpt)  # resume from step 3's sharded checkpoint: bitwise the same rows
+    loop.train(build_config(two / "config.toml"), two, resume=True, console=False)
+    assert train_rows(two) == data_parallel

@@ -290,7 +290,13 @@ def _restore_sharded(state: RunState, ckpt: Checkpoint) -> dict:
 
 def layout_of(cfg: RunConfig) -> dict:
     p = cfg.parallel
-    return {"pp": p.pp, "dp": p.dp, "tp": p.tp, "strategy": p.strategy_for(cfg.model.arch)}
+    return {
+        "pp": p.pp,
+        "dp": p.dp,
+        "tp": p.tp,
+        "strategy": p.strategy_for(cfg.model.arch),
+        "stages_per_rank": p.virtual_stages,  # which stages (hence shards) a rank holds
+    }
 
 
 def sharded_state(state: RunState) -> dict:
