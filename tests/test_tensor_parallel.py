@@ -33,7 +33,7 @@ TOL = 2e-5  # max |g - g_ref| / max |g_ref| per tensor: fp32 reduction-order noi
 LOSS_TOL = 1e-5  # |loss - loss_ref| / |loss_ref| from identical weights
 LR, WEIGHT_DECAY, MAX_NORM = 3e-3, 0.1, 1.0  # AdamW, clipped like the trainer
 STEPS = 10  # reference training steps; loss and gradients are checked at each one
-FREE_STEPS = 4  # losses on the free-running curves (3 optimizer steps)
+FREE_STEPS = 3  # losses on the free-running curves (2 optimizer steps)
 MARGIN = 5.0  # free TP curve: allowed deviation, in units of the reference's sensitivity
 
 
@@ -82,7 +82,7 @@ def matrix(tp: int) -> list[dict]:
         cases.append(dict(arch="cola", strategy=None, act_ckpt="none"))
     for case in cases:
         case["n_kv_heads"] = 2 if tp == 2 else 4  # GQA where the degree allows it
-        # 10-step curves at T 1 and 2. At T 4 (four ranks on CI's two cores every collective
+        # Training steps at T 1 and 2. At T 4 (four ranks on CI's two cores every collective
         # waits ~30 ms) the single-step loss/gradient/ledger checks cover the matrix.
         case["curve"] = tp < 4
     return cases
@@ -139,13 +139,13 @@ def check_case(case: dict, comm: GroupComm, bf16: bool = False) -> dict:
     steps = curves = None
     if case.get("curve") and not bf16:
         # Step 0 is the check above. The free TP curve goes on from its gradients; then the
-        # reference trains from its own, checked against the TP model at every step, and its
-        # losses double as the reference's free-running curve.
+        # reference trains from its own, checked against the TP model at every step (its
+        # losses are also the reference's free curve); last the jittered reference rerun.
         steps = [(ref_loss.item(), loss.item(), worst, *grad_norms(reference, tp_model, comm))]
         tp_curve = train(tp_model, comm, loss.item(), FREE_STEPS)
         steps += follow_reference(reference, tp_model, comm)
-        reload(reference, state)
-        jittered = train(reference, single, step_once(reference), FREE_STEPS, jitter=TOL)
+        reload(reference, state, ref_grads)  # back to step 0, gradients and all
+        jittered = train(reference, single, ref_loss.item(), FREE_STEPS, jitter=TOL)
         curves = ([s[0] for s in steps[:FREE_STEPS]], jittered, tp_curve)
     replicas_equal = True
     if comm.size > 1:
@@ -186,15 +186,15 @@ def shard_error(tp_model: TensorParallelModel, reference: TensorParallelModel) -
     report is asserted) is :func:`grad_error` of the gathered gradients, without gathering.
     """
     ref_grads = {n: p.grad for n, p in reference.named_shards()}
-    worst = 0.0
+    errors = [torch.zeros(())]
     for name, p in tp_model.named_shards():
         g = ref_grads[name]
         if p.grad is None:
             return float("inf")
-        if p.numel():
+        if p.numel():  # a shard can be empty when TP does not divide the dim
             diff = (p.grad - tp_model.shard_of(name, g)).abs().max()
-            worst = max(worst, (diff / g.abs().max().clamp_min(1e-12)).item())
-    return worst
+            errors.append(diff / g.abs().max().clamp_min(1e-12))
+    return torch.stack(errors).max().item()
 
 
 def grad_norms(
@@ -206,15 +206,23 @@ def grad_norms(
     return reference.grad_norm(ref_misc).item(), tp_model.grad_norm(misc).item()
 
 
-def reload(model: TensorParallelModel, full: dict[str, torch.Tensor]) -> None:
-    """Set every shard to its slice of a full tensor and drop the gradients.
+def reload(
+    model: TensorParallelModel,
+    weights: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Set every shard to its slice of the full ``weights`` (and ``grads``, else none).
 
     Local: every rank slices the same full tensors, so no collective is needed.
     """
     with torch.no_grad():
         for name, p in model.named_shards():
-            p.copy_(model.shard_of(name, full[name]))
-    model.zero_grad(set_to_none=True)
+            p.copy_(model.shard_of(name, weights[name]))
+            p.grad = None if grads is None else model.shard_of(name, grads[name])
+
+
+def adamw(model: TensorParallelModel) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
 
 def step_once(model: TensorParallelModel) -> float:
@@ -231,17 +239,17 @@ def train(
 ) -> list[float]:
     """``first_loss`` (its gradients in place) and the next ``n - 1`` losses of clipped AdamW.
 
-    ``jitter`` adds ``+-jitter * max|g|`` to every element of each gradient tensor (full
-    tensors: the reference only) before every update, seeded.
+    ``jitter`` adds a seeded ``+-jitter * max|g|`` to every element of each gradient tensor
+    before every update (for the reference, whose tensors are whole).
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = adamw(model)
     misc = GroupComm(comm.group, "tp_misc", comm.ledger)
     gen = torch.Generator().manual_seed(5)
     losses = [first_loss]
     for _ in range(n - 1):
         if jitter:
             with torch.no_grad():
-                for _, p in model.named_shards():
+                for p in model.parameters():
                     signs = torch.randint(0, 2, p.shape, generator=gen) * 2 - 1
                     p.grad.add_(signs * (jitter * p.grad.abs().max()))
         clip_gradients(model, MAX_NORM, misc)
@@ -262,7 +270,7 @@ def follow_reference(
     over, while the weights are those of a real training run. The gradient norms are one
     all-reduce per step, which every TP rank runs in the same order.
     """
-    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = adamw(reference)
     misc = GroupComm(None, "tp_misc", reference.ctx.comm.ledger)
     out = []
     for _ in range(STEPS - 1):
@@ -277,19 +285,19 @@ def follow_reference(
 
 
 def free_curve_tolerance(single: list[float], jittered: list[float]) -> list[float]:
-    """How far a correct free-running TP curve may be from ``single``, step by step.
+    """Per-step bound on ``|tp_k - single_k|`` for a free-running TP curve.
 
-    Two runs that differ only in rounding drift apart at a rate set by the dynamics, not by
-    the code (Adam turns noise in near-zero gradients into whole ``lr``-sized updates), so
-    a fixed tolerance is either loose or flaky. The tolerance is measured instead: the
-    reference is run again with every gradient jittered by ``+-TOL * max|g|`` per tensor,
-    the largest error the per-step check admits, and its loss moves by ``d_k`` at step
-    ``k``. A weight nudge (1e-6 relative) probes too little: it moves gradients far less
-    than TP's own rounding does (up to 1.4e-5 here), and one case then drifted 13x further.
-    The sensitivity at step ``k`` is ``max(d_0 .. d_k)``: a perturbation does not heal, so a
-    smaller ``d_k`` is a chance crossing of the curves. The TP curve may deviate ``MARGIN``
-    times that (the worst case measured needs 0.1x) plus ``LOSS_TOL``, what evaluating the
-    loss from equal weights may differ by (the per-step check).
+    Curves that differ only in rounding drift apart at a rate set by the training dynamics
+    (Adam turns noise in near-zero gradients into ``lr``-sized updates), so any fixed
+    tolerance is loose or flaky on some CPU. The rate is measured instead: the reference
+    reruns the same steps with every gradient element moved by ``+-TOL * max|g|`` of its
+    tensor, the largest error the per-step check admits, and its loss moves by ``d_k``.
+    (Nudging the weights by 1e-6 moves the gradients less than TP's own rounding does, and
+    under-predicted one case's drift by over 10x.) Sensitivity ``s_k = max(d_0 .. d_k)``:
+    a perturbation does not heal, so a smaller ``d_k`` is the curves crossing by chance.
+    Allowed: ``MARGIN * s_k`` plus what one loss evaluation from equal weights may differ
+    by, ``LOSS_TOL * |loss|`` (the per-step check). Correct TP curves measured here use at
+    most 2% of that; a 1% larger learning rate, or no weight decay, exceeds it.
     """
     moved = [abs(j - a) for a, j in zip(single, jittered, strict=True)]
     sensitivity = itertools.accumulate(moved, max)
@@ -305,7 +313,7 @@ def assert_reports(reports: list[dict]) -> None:
     for r in reports:
         label = r["case"]
         assert r["grads_complete"], label
-        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), label
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_TOL * abs(r["ref_loss"]), label
         assert r["worst_grad_error"] < TOL, (label, r["worst_grad_error"])
         assert r["ledger"] == r["formula"], (label, r["ledger"], r["formula"])
         assert r["replicas_equal"], label
@@ -316,7 +324,7 @@ def assert_reports(reports: list[dict]) -> None:
                 at = (label, step)
                 assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), (at, loss, ref_loss)
                 assert error < TOL, (at, error)
-                assert abs(norm - ref_norm) <= TOL * ref_norm, (at, norm, ref_norm)
+                assert abs(norm - ref_norm) <= LOSS_TOL * ref_norm, (at, norm, ref_norm)
             single = [s[0] for s in r["steps"]]
             assert single[-1] < single[0] - 0.05, (label, single)  # it does train
         if r["curves"] is not None:  # free-running: see free_curve_tolerance
