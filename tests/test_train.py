@@ -90,16 +90,16 @@ def test_interrupted_save_keeps_previous_checkpoint(
     run = tmp_path / "run"
     cfg = tiny_run_config(small_dataset)
     calls = {"n": 0}
-    real_save = torch.save
+    real_save = ckpt_module.save_file
 
-    def crash_on_second_save(obj, path, *args, **kwargs):
+    def crash_on_second_save(tensors, path, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
-            real_save(obj, path, *args, **kwargs)
+            real_save(tensors, path, *args, **kwargs)
             raise OSError("disk full (simulated)")
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt_module.torch, "save", crash_on_second_save)
+    monkeypatch.setattr(ckpt_module, "save_file", crash_on_second_save)
     with pytest.raises(OSError, match="simulated"):
         loop.train(cfg, run, console=False)
     monkeypatch.undo()
@@ -109,7 +109,7 @@ def test_interrupted_save_keeps_previous_checkpoint(
     (run / "checkpoints" / ".tmp-step_6-abc").mkdir()
     partial = run / "checkpoints" / "step_6"
     partial.mkdir()
-    (partial / "model.safetensors").write_bytes(b"half")
+    (partial / "__0_0.distcp").write_bytes(b"half")
     assert newest_checkpoint(run / "checkpoints").step == 3
     loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3, 6]
@@ -118,7 +118,7 @@ def test_interrupted_save_keeps_previous_checkpoint(
 def test_corrupted_checkpoint_is_rejected(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     loop.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
-    model_file = run / "checkpoints" / "step_3" / "model.safetensors"
+    model_file = run / "checkpoints" / "step_3" / "__0_0.distcp"
     data = bytearray(model_file.read_bytes())
     data[-1] ^= 0xFF  # same size, different content
     model_file.write_bytes(bytes(data))
@@ -190,12 +190,12 @@ def test_resume_skips_a_corrupted_newest_checkpoint(
     run = tmp_path / "run"
     loop.train(tiny_run_config(small_dataset), run, console=False)
     before = train_rows(run)
-    model_file = run / "checkpoints" / "step_6" / "model.safetensors"
+    model_file = run / "checkpoints" / "step_6" / "__0_0.distcp"
     data = bytearray(model_file.read_bytes())
     data[-1] ^= 0xFF  # same size: only the checksum can tell
     model_file.write_bytes(bytes(data))
     loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
-    assert "skipping corrupted checkpoint" in capsys.readouterr().err
+    assert "corrupted checkpoint set aside" in capsys.readouterr().err
     assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
     assert open_checkpoint(run / "checkpoints" / "step_6").step == 6  # rewritten, valid again
     assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]

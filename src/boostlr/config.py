@@ -147,6 +147,9 @@ class TrainConfig:
     eval_every: int = 100
     ckpt_every: int = 100
     keep_checkpoints: int = 3
+    # Write checkpoints in the background (DCP async_save on its own gloo group): the step
+    # loop blocks only for the copy of this rank's shards to host memory.
+    async_ckpt: bool = False
     # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
     # x dp. When set it derives grad_accum (it must divide evenly).
     global_batch: int = 0
@@ -176,6 +179,12 @@ class ParallelConfig:
     norm: str = "online"
     grouping: bool = True
     act_ckpt: str = "none"
+    # Restart all ranks up to this many times when one dies (SIGKILL, OOM); they resume
+    # from the newest valid checkpoint by themselves.
+    max_restarts: int = 0
+    # Seconds a collective may wait on any process group (subgroups included) before the
+    # run fails instead of hanging.
+    timeout_s: float = 600.0
 
     @property
     def world_size(self) -> int:
@@ -436,6 +445,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if t.grad_clip < 0 or t.weight_decay < 0:
         raise ConfigError("train.grad_clip and train.weight_decay must be >= 0")
+    if cfg.parallel.max_restarts < 0:
+        raise ConfigError(f"parallel.max_restarts must be >= 0, got {cfg.parallel.max_restarts}")
+    if not cfg.parallel.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {cfg.parallel.timeout_s}")
     if d.default_vocab < 260 or d.default_vocab > 2**32 - 1:
         raise ConfigError(f"data.default_vocab must be in [260, 2^32), got {d.default_vocab}")
 

@@ -73,9 +73,12 @@ def _windows_batch(dataset: TokenDataset, windows: np.ndarray, seq_len: int) -> 
 class BatchLoader:
     """Endless, resumable stream of shuffled training batches for one data-parallel rank.
 
-    Every epoch is a permutation of all windows seeded by ``seed + epoch``; each step takes the
+    Every epoch is a permutation of all windows seeded by ``seed + epoch``; each call takes the
     next ``batch_size * dp_size`` windows and rank ``dp_rank`` keeps its own slice, so ranks
     never see the same window in a step and all ranks agree on the schedule without talking.
+    An epoch holds a whole number of optimizer steps (``grad_accum`` calls each), so an
+    optimizer step takes the same windows at every layout with the same global batch: the
+    position is saved in windows, which lets a checkpoint resume at another dp size.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class BatchLoader:
         seed: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        grad_accum: int = 1,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise DataError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
@@ -94,14 +98,14 @@ class BatchLoader:
         self.dataset, self.batch_size, self.seq_len, self.seed = dataset, batch_size, seq_len, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.num_windows = num_windows(dataset, seq_len)
-        global_batch = batch_size * dp_size
+        global_batch = batch_size * dp_size * grad_accum
         if self.num_windows < global_batch:
             raise DataError(
                 f"{dataset.split} split of {dataset.path} has {len(dataset)} tokens = "
-                f"{self.num_windows} windows of seq_len {seq_len}, fewer than batch_size x dp_size "
-                f"= {global_batch}; reduce the batch size or seq_len, or add more data"
+                f"{self.num_windows} windows of seq_len {seq_len}, fewer than the global batch "
+                f"{global_batch}; reduce the batch size or seq_len, or add more data"
             )
-        self.batches_per_epoch = self.num_windows // global_batch
+        self.batches_per_epoch = self.num_windows // global_batch * grad_accum
         self.epoch = 0
         self.position = 0
         self._perm: tuple[int, torch.Tensor] | None = None
@@ -129,11 +133,26 @@ class BatchLoader:
         return self._perm[1]
 
     def state_dict(self) -> dict[str, int]:
-        """Where the stream stands; pass to :meth:`load_state_dict` to resume exactly here."""
-        return {"epoch": self.epoch, "position": self.position}
+        """Where the stream stands; pass to :meth:`load_state_dict` to resume exactly here.
+
+        ``windows`` (consumed this epoch, over all ranks) is layout-free; ``position`` is kept
+        for readers of older checkpoints.
+        """
+        windows = self.position * self.batch_size * self.dp_size
+        return {"epoch": self.epoch, "windows": windows, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, position = state.get("epoch"), state.get("position")
+        windows = state.get("windows")
+        if isinstance(windows, int):
+            per_call = self.batch_size * self.dp_size
+            if windows % per_call:
+                raise DataError(
+                    f"the checkpoint's data position ({windows} windows into epoch {epoch}) is "
+                    f"not a multiple of batch_size x dp = {per_call}: resume with the run's "
+                    "global batch"
+                )
+            position = windows // per_call
         if not (isinstance(epoch, int) and isinstance(position, int)) or epoch < 0:
             raise DataError(f"bad data loader state {state!r}; the checkpoint is corrupt")
         if not 0 <= position <= self.batches_per_epoch:

@@ -41,8 +41,14 @@ def adopt_slurm_env() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
-    """Run ``entrypoint(*args)`` on ``nproc`` local ranks; returns each rank's result."""
+def launch(
+    nproc: int, entrypoint: Callable[..., Any], *args: Any, max_restarts: int = 0
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local ranks; returns each rank's result.
+
+    When a rank dies, the agent stops the others and restarts all of them, up to
+    ``max_restarts`` times (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt it is).
+    """
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -50,7 +56,7 @@ def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, 
         run_id=f"boostlr-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
     )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from boostlr.config import ParallelConfig
@@ -22,6 +24,9 @@ class MeshComms:
     dp: GroupComm
     pp: GroupComm
     ledger: CommLedger
+    # All ranks on gloo, for checkpoint saves and loads only: an async save's collectives
+    # then never interleave with training's (and work beside NCCL on GPUs).
+    ckpt_group: dist.ProcessGroup | None = None
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -41,9 +46,27 @@ def single_process_comms() -> MeshComms:
 def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
     """A named ``(pp, dp, tp)`` mesh over the default group (which must already exist).
 
-    Ranks are laid out tp-fastest, so a tensor-parallel group sits on one node's GPUs.
+    Ranks are laid out tp-fastest, so a tensor-parallel group sits on one node's GPUs. Every
+    group gets ``parallel.timeout_s``: left alone, torch gives subgroups a 30-minute timeout
+    whatever the default group has (DESIGN §4.2).
     """
-    mesh = init_device_mesh(device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS)
+    timeout = timedelta(seconds=p.timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    override = {name: (backend, backend_options(backend, timeout)) for name in MESH_DIMS}
+    mesh = init_device_mesh(
+        device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS, backend_override=override
+    )
     ledger = CommLedger()
     comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
-    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger)
+    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group)
+
+
+def backend_options(backend: str, timeout: timedelta) -> dist.ProcessGroup.Options:
+    """Backend options carrying ``timeout`` (the only way to give a mesh dim a timeout)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options

@@ -1,9 +1,16 @@
-"""Atomic, self-validating checkpoints: ``<run>/checkpoints/step_N/``.
+"""Atomic, self-validating, sharded checkpoints: ``<run>/checkpoints/step_N/``.
 
-A checkpoint is written into a hidden temp directory, every file fsynced, ``meta.json`` (which
-lists each file's size and sha256) written last, then the directory is renamed into place. A
-crash at any point leaves either the previous checkpoints untouched plus a stray temp dir
-(ignored, cleaned on the next save) or a complete new one: nothing half-written ever loads.
+Every checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory: each rank writes the
+shards it holds (model and AdamW moments, keyed by the global parameter name with global
+shapes), so no rank ever gathers a full tensor and any other layout can load it (DCP
+reshards on load). Beside the shards: ``trainer.json`` (step, data position, learning-rate
+schedule), one ``rng_rank{r}.safetensors`` per rank, the tokenizer, and ``meta.json`` —
+config, layout and every file's size and sha256 — written last. Nothing is a pickle.
+
+A save goes into ``.tmp-step_N``; when every rank's files are complete and fsynced, rank 0
+writes ``meta.json``, renames the directory into place and fsyncs the parent. A crash at
+any moment leaves the previous checkpoint as the newest valid one. Format 1 (one process:
+``model.safetensors`` + ``trainer.pt``) is still read.
 """
 
 from __future__ import annotations
@@ -12,7 +19,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +34,23 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from boostlr.errors import CheckpointError
+from boostlr.faults import crash_point
 from boostlr.fsutil import fsync_dir, fsync_file, sha256_file
 
-FORMAT_VERSION = 1
-MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer.pt"
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 META_FILE = "meta.json"
+TRAINER_FILE = "trainer.json"
+DCP_METADATA = ".metadata"
+LEGACY_MODEL_FILE = "model.safetensors"
+LEGACY_TRAINER_FILE = "trainer.pt"
+MODEL_FILE = LEGACY_MODEL_FILE  # the name exports still use
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TEMP_PREFIX = ".tmp-step_"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
 
 
 @dataclass
@@ -38,54 +59,204 @@ class Checkpoint:
     step: int
     meta: dict[str, Any]
 
+    @property
+    def sharded(self) -> bool:
+        """A DCP directory (format 2, or a format-1 multi-rank save)."""
+        return bool(self.meta.get("sharded"))
 
-def save_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    model_state: dict[str, torch.Tensor],
-    trainer_state: dict[str, Any],
-    meta: dict[str, Any],
-    extra_files: dict[str, Path] | None = None,
-    keep: int | None = None,
-) -> Path:
-    """Write ``step_<step>`` atomically; keep only the newest ``keep`` checkpoints.
 
-    ``extra_files`` (e.g. ``tokenizer.json``) are copied in so a checkpoint is self-contained.
+# ---------------------------------------------------------------------------- writing
+
+
+class CheckpointWriter:
+    """Writes this rank's part of each checkpoint; at most one save in flight.
+
+    Collective over ``group`` (all ranks, gloo; ``None`` in a single process). With
+    ``async_save`` the shards are copied to host memory while the caller waits, then written,
+    hashed and published by a background thread, so training continues meanwhile.
     """
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(ckpt_root)
-    final = ckpt_root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=ckpt_root))
-    try:
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in model_state.items()}, tmp / MODEL_FILE
-        )
-        torch.save(trainer_state, tmp / TRAINER_FILE)
-        for name, source in (extra_files or {}).items():
-            shutil.copyfile(source, tmp / name)
-        files = {}
-        for name in (MODEL_FILE, TRAINER_FILE, *(extra_files or {})):
-            fsync_file(tmp / name)
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-        full_meta = {"format": FORMAT_VERSION, "step": step, "files": files, **meta}
-        (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2))
-        fsync_file(tmp / META_FILE)
-        fsync_dir(tmp)
-        if final.exists():  # an older save of the same step (e.g. a re-run after resume)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if keep is not None:
-        for old in list_checkpoints(ckpt_root)[:-keep]:
-            shutil.rmtree(old.path, ignore_errors=True)
-    return final
+
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        keep: int,
+        async_save: bool = False,
+    ):
+        self.root, self.rank, self.group, self.keep = root, rank, group, keep
+        self.async_save = async_save
+        self._executor = ThreadPoolExecutor(max_workers=1) if async_save else None
+        self._pending: Future | None = None
+        self.last_path: Path | None = None
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        trainer: dict[str, Any],
+        rng: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        extra_files: dict[str, Path],
+    ) -> float:
+        """Save ``step``; returns the seconds the caller was blocked."""
+        started = time.perf_counter()
+        self.wait()  # a previous save must be published before the next one starts
+        final, tmp = self.root / f"step_{step}", self.root / f"{_TEMP_PREFIX}{step}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temp_dirs(self.root)
+            tmp.mkdir()
+        self._barrier()
+        try:
+            self._start(step, tmp, final, state, trainer, rng, meta, extra_files)
+        except BaseException:
+            if self.group is None:  # with several ranks the next save cleans up instead
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return time.perf_counter() - started
+
+    def _start(
+        self,
+        step: int,
+        tmp: Path,
+        final: Path,
+        state: dict[str, Any],
+        trainer: dict[str, Any],
+        rng: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        extra_files: dict[str, Path],
+    ) -> None:
+        if self.rank == 0:
+            _write_json(tmp / TRAINER_FILE, trainer)
+        save_file({k: v.contiguous().cpu() for k, v in rng.items()}, tmp / rng_file(self.rank))
+        crash_point("ckpt_before_shards", self.rank, step)
+        if self.async_save:
+            assert self._executor is not None
+            with _quiet_dcp():
+                written = dcp.async_save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
+            self._pending = self._executor.submit(
+                self._publish, written, step, tmp, final, meta, extra_files
+            )
+        else:
+            with _quiet_dcp():
+                dcp.save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
+            self._publish(None, step, tmp, final, meta, extra_files)
+
+    def wait(self) -> Path | None:
+        """Finish the save in flight, if any (re-raising its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        return self.last_path
+
+    def close(self) -> None:
+        """Finish the save in flight (a save is never dropped at exit), stop the thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def _publish(
+        self,
+        written: Future | None,
+        step: int,
+        tmp: Path,
+        final: Path,
+        meta: dict[str, Any],
+        extra_files: dict[str, Path],
+    ) -> None:
+        """Hash this rank's files, then rank 0 writes meta.json and renames into place."""
+        if written is not None:
+            written.result()
+        crash_point("ckpt_after_shards", self.rank, step)
+        own = [f for f in sorted(tmp.iterdir()) if _owned_by(f.name, self.rank)]
+        mine = {f.name: _file_info(f) for f in own}  # every rank hashes its own files
+        if self.group is None:
+            infos = [mine]
+        else:
+            infos = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(infos, mine, group=self.group)
+        if self.rank == 0:
+            for name, source in extra_files.items():
+                shutil.copyfile(source, tmp / name)
+            files: dict[str, Any] = {}
+            for info in infos:
+                files.update(info)
+            for file in sorted(tmp.iterdir()):  # .metadata, trainer.json, extra files
+                if file.name not in files:
+                    files[file.name] = _file_info(file)
+            header = {"format": FORMAT_VERSION, "step": step, "sharded": True, "files": files}
+            _write_json(tmp / META_FILE, {**header, **meta})
+            fsync_dir(tmp)
+            crash_point("ckpt_before_rename", self.rank, step)
+            if final.exists():  # an older save of the same step (a re-run after a resume)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            crash_point("ckpt_before_dir_fsync", self.rank, step)
+            fsync_dir(self.root)
+            prune_checkpoints(self.root, keep=self.keep, written=step)
+        self._barrier()
+        self.last_path = final
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns on every one-process save/load that it "assumes" one process: we ask for it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _owned_by(name: str, rank: int) -> bool:
+    """The files a rank wrote: its DCP shards ``__{rank}_*.distcp`` and its RNG state."""
+    return name.startswith(f"__{rank}_") or name == rng_file(rank)
+
+
+def _file_info(file: Path) -> dict[str, Any]:
+    fsync_file(file)
+    return {"size": file.stat().st_size, "sha256": sha256_file(file)}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2))
+    fsync_file(path)
+
+
+def prune_checkpoints(root: Path, keep: int, written: int) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints up to the one just ``written``.
+
+    The one just written is the newest verified checkpoint (its hashes were computed from
+    the files themselves) and is never deleted; nor is anything newer than it (those were
+    set aside at resume and are left for the user to inspect).
+    """
+    older = [c for c in list_checkpoints(root) if c.step < written]
+    doomed = older[: max(0, len(older) - (keep - 1))]
+    for ckpt in doomed:
+        shutil.rmtree(ckpt.path, ignore_errors=True)
+    return [c.path for c in doomed]
+
+
+# ---------------------------------------------------------------------------- finding
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Checkpoint]:
-    """Valid checkpoints, oldest first. Invalid or partial ones are skipped."""
+    """Complete checkpoints (file sizes checked, not contents), oldest first."""
     found = []
     if not ckpt_root.is_dir():
         return found
@@ -113,13 +284,26 @@ def read_checkpoint(path: Path) -> Checkpoint:
 
 
 def newest_verified_checkpoint(ckpt_root: Path) -> tuple[Checkpoint | None, list[Path]]:
-    """The newest checkpoint whose checksums verify, and the newer corrupted ones skipped."""
+    """The newest checkpoint whose checksums verify, and the newer corrupted ones skipped.
+
+    Hashes each file once; call it on one rank and share the answer.
+    """
     skipped = []
     for ckpt in reversed(list_checkpoints(ckpt_root)):
         if _read_valid_meta(ckpt.path, verify_hashes=True) is not None:
             return ckpt, skipped
         skipped.append(ckpt.path)
     return None, skipped
+
+
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Rename corrupted checkpoints to ``corrupt-step_N`` so no later listing sees them."""
+    moved = []
+    for path in paths:
+        target = path.with_name(f"corrupt-{path.name}-{int(time.time())}")
+        os.rename(path, target)
+        moved.append(target)
+    return moved
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -144,85 +328,101 @@ def open_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, int(meta["step"]), meta)
 
 
+# ---------------------------------------------------------------------------- reading
+
+
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Full-shape weights by name (one process: export, generate, tests)."""
-    if not ckpt.meta.get("sharded"):
-        return load_file(ckpt.path / MODEL_FILE)
-    metadata = dcp.FileSystemReader(str(ckpt.path)).read_metadata().state_dict_metadata
+    """Full-shape weights by name, in one process (tests; export streams instead)."""
+    if not ckpt.sharded:
+        return load_file(ckpt.path / LEGACY_MODEL_FILE)
     state = {
-        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in metadata.items()
-        if key.startswith("model.") and hasattr(md, "size")
+        key: torch.empty(shape, dtype=dtype)
+        for key, (shape, dtype) in dcp_tensor_entries(ckpt.path).items()
+        if key.startswith("model.")
     }
-    dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
-def save_sharded_checkpoint(
-    ckpt_root: Path,
-    step: int,
-    state: dict[str, Any],
-    trainer_state: dict[str, Any],
-    meta: dict[str, Any],
-    extra_files: dict[str, Path],
-    keep: int,
-    rank: int,
-) -> Path | None:
-    """Every rank writes its own shards with ``torch.distributed.checkpoint`` (no gather).
-
-    Collective over the default group. Into a temp directory first; rank 0 then hashes each
-    file once, writes ``meta.json`` last, renames the directory into place and fsyncs.
-    """
-    final, tmp = ckpt_root / f"step_{step}", ckpt_root / f".tmp-step_{step}"
-    if rank == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temp_dirs(ckpt_root)
-        tmp.mkdir()
-    dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    trainer_file = tmp / f"trainer_rank{rank}.pt"
-    torch.save(trainer_state, trainer_file)
-    fsync_file(trainer_file)
-    dist.barrier()
-    if rank == 0:
-        for name, source in extra_files.items():
-            shutil.copyfile(source, tmp / name)
-        files = {}
-        for file in sorted(tmp.iterdir()):
-            fsync_file(file)
-            files[file.name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
-        full_meta = {"format": FORMAT_VERSION, "step": step, "sharded": True, "files": files}
-        (tmp / META_FILE).write_text(json.dumps({**full_meta, **meta}, indent=2))
-        fsync_file(tmp / META_FILE)
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_root)
-        for old in list_checkpoints(ckpt_root)[:-keep]:
-            shutil.rmtree(old.path, ignore_errors=True)
-    dist.barrier()
-    return final if rank == 0 else None
-
-
-def load_sharded_state(ckpt: Checkpoint, state: dict[str, Any]) -> None:
-    """Load a sharded checkpoint in place into ``state`` (this rank's DTensors)."""
-    if not ckpt.meta.get("sharded"):
+def dcp_tensor_entries(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor a DCP directory holds: flattened key -> (global shape, dtype)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a foreign or damaged .metadata
         raise CheckpointError(
-            f"checkpoint {ckpt.path} was written by one process: resume it with one process "
-            "(parallel degrees 1), or start a new run"
+            f"{path}: unreadable DCP metadata ({exc}): use another checkpoint"
+        ) from None
+    return {
+        key: (tuple(md.size), md.properties.dtype)
+        for key, md in metadata.items()
+        if hasattr(md, "size")
+    }
+
+
+def load_sharded_state(
+    ckpt: Checkpoint, state: dict[str, Any], group: dist.ProcessGroup | None
+) -> None:
+    """Load a DCP checkpoint in place into ``state`` — any layout into any other."""
+    if not ckpt.sharded:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} is an old single-file checkpoint: resume it once in one "
+            "process (parallel degrees 1) to convert it, then at any layout"
         )
-    dcp.load(state, checkpoint_id=str(ckpt.path))
+    missing = _missing_keys(ckpt.path, state)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} does not hold {', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}: resume with the run's own model config"
+        )
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=str(ckpt.path), process_group=group, no_dist=group is None)
 
 
-def load_trainer_state(ckpt: Checkpoint) -> dict[str, Any]:
-    return torch.load(ckpt.path / TRAINER_FILE, weights_only=False)
+def _missing_keys(path: Path, state: dict[str, Any]) -> list[str]:
+    saved = dcp_tensor_entries(path)
+    wanted = []
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, sub)
+        elif torch.is_tensor(value):
+            wanted.append(prefix)
+
+    walk("", state)
+    return [key for key in wanted if key not in saved]
+
+
+def load_trainer_state(ckpt: Checkpoint, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(trainer state, this rank's RNG state)`` — JSON and tensors, loaded to the CPU.
+
+    A rank that did not exist at save time (the world grew) takes rank 0's RNG state.
+    """
+    path = ckpt.path
+    if (path / TRAINER_FILE).is_file():
+        trainer = json.loads((path / TRAINER_FILE).read_text())
+        own = path / rng_file(rank)
+        rng = load_file(own if own.is_file() else path / rng_file(0))
+        return trainer, rng
+    # Format 1: a one-process trainer.pt or per-rank trainer_rank{r}.pt (tensors and ints,
+    # loaded with weights_only so no arbitrary object can be unpickled).
+    legacy = path / LEGACY_TRAINER_FILE
+    if not legacy.is_file():
+        legacy = path / f"trainer_rank{rank}.pt"
+    if not legacy.is_file():
+        raise CheckpointError(f"checkpoint {path} has no trainer state: use another checkpoint")
+    trainer = torch.load(legacy, map_location="cpu", weights_only=True)
+    rng = {"cpu": trainer["rng"]["cpu"]}
+    for i, state in enumerate(trainer["rng"].get("cuda") or []):
+        rng[f"cuda{i}"] = state
+    return trainer, rng
 
 
 def _read_valid_meta(path: Path, verify_hashes: bool) -> dict[str, Any] | None:
     try:
         meta = json.loads((path / META_FILE).read_text())
-        if meta.get("format") != FORMAT_VERSION:
+        if meta.get("format") not in READABLE_FORMATS:
             return None
         for name, info in meta["files"].items():
             file = path / name
@@ -231,10 +431,10 @@ def _read_valid_meta(path: Path, verify_hashes: bool) -> dict[str, Any] | None:
             if verify_hashes and sha256_file(file) != info["sha256"]:
                 return None
         return meta
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def _remove_stale_temp_dirs(ckpt_root: Path) -> None:
-    for child in ckpt_root.glob(".tmp-step_*"):
+    for child in ckpt_root.glob(f"{_TEMP_PREFIX}*"):
         shutil.rmtree(child, ignore_errors=True)

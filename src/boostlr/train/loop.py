@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,24 +31,31 @@ from boostlr.errors import (
     ConfigError,
     TrainingDiverged,
 )
+from boostlr.faults import crash_point
 from boostlr.fsutil import write_text_atomic
 from boostlr.models.counting import flops_per_token
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
-from boostlr.parallel.tensor_parallel import full_optimizer_state, load_full_optimizer_state
+from boostlr.parallel.tensor_parallel import load_full_optimizer_state
 from boostlr.train.checkpoint import (
     Checkpoint,
+    CheckpointWriter,
     load_model_state,
     load_sharded_state,
     load_trainer_state,
     newest_checkpoint,
-    newest_verified_checkpoint,
     read_checkpoint,
-    save_checkpoint,
-    save_sharded_checkpoint,
 )
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
-from boostlr.train.optim import build_optimizer, init_optimizer_state, lr_at, set_lr
+from boostlr.train.optim import (
+    Anchor,
+    build_optimizer,
+    init_optimizer_state,
+    lr_at,
+    reanchor,
+    set_lr,
+)
+from boostlr.train.resume import check_resume_config, pick_checkpoint
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -90,8 +99,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     """Run (or continue) training into ``run_dir``; see README for the run-directory contract.
 
     Everything that can be wrong with the input is checked here, before any rank starts and
-    before the run directory is touched. ``parallel.tp > 1`` then launches the ranks in
-    process (or joins the ones torchrun/srun started).
+    before the run directory is touched. Several ranks (or ``parallel.max_restarts``) then
+    launch the ranks in process, or join the ones torchrun/srun started.
     """
     device = resolve_device(cfg.parallel.device)
     datasets = open_datasets(cfg)
@@ -103,10 +112,23 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     ckpt = _check_run_dir(cfg, run_dir, resume)
     _write_run_dir(cfg, run_dir, datasets[0])
     ckpt_path = str(ckpt.path) if ckpt else None
-    if world == 1:
+    if world == 1 and cfg.parallel.max_restarts == 0:
         return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
-    results = launch(world, _rank_entry, to_dict(cfg), str(run_dir), ckpt_path, console)
+    results = launch(
+        world,
+        _rank_entry,
+        to_dict(cfg),
+        str(run_dir),
+        ckpt_path,
+        console,
+        max_restarts=cfg.parallel.max_restarts,
+    )
     return results[0]
+
+
+def restart_attempt() -> int:
+    """How many times the launcher has restarted this run's ranks (0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _train_under_launcher(
@@ -117,29 +139,62 @@ def _train_under_launcher(
     device: torch.device,
     datasets: tuple[TokenDataset, TokenDataset],
 ) -> TrainResult:
-    """Every rank checks (read-only), then rank 0 writes the run directory."""
-    init_distributed(device, cfg.parallel.world_size)
+    """Rank 0 checks the run directory (hashing each file once) and writes it; all follow."""
+    init_distributed(device, cfg.parallel.world_size, cfg.parallel.timeout_s)
     try:
-        ckpt = _check_run_dir(cfg, run_dir, resume)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            _write_run_dir(cfg, run_dir, datasets[0])
-        dist.barrier()
-        ckpt_path = str(ckpt.path) if ckpt else None
+        restarted = restart_attempt() > 0
+        ckpt_path = _on_rank0(
+            lambda: _checked_run_dir(cfg, run_dir, resume or restarted, restarted, datasets[0])
+        )
         return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
     finally:
         dist.destroy_process_group()
 
 
+def _checked_run_dir(
+    cfg: RunConfig, run_dir: Path, resume: bool, restarted: bool, dataset: TokenDataset
+) -> str | None:
+    ckpt = _check_run_dir(cfg, run_dir, resume, required=not restarted)
+    _write_run_dir(cfg, run_dir, dataset)
+    return str(ckpt.path) if ckpt else None
+
+
+def _on_rank0(task: Callable[[], str | None]) -> str | None:
+    """Run ``task`` on rank 0 and give every rank its result (or its one-line error)."""
+    answer: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [task(), None]
+        except BoostlrError as exc:
+            answer = [None, str(exc)]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise BoostlrError(answer[1])
+    return answer[0]
+
+
 def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
-    """One rank started by :func:`launch` (module level: it is pickled to the child)."""
+    """One rank started by :func:`launch` (module level: it is pickled to the child).
+
+    After an automatic restart the arguments are those of the first start: the ranks find
+    the newest valid checkpoint themselves (rank 0 verifies it, once).
+    """
     cfg = from_dict(cfg_dict)
     # DTensor logs a performance note for every checkpointed 2-D (dp x tp) shard.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     device = resolve_device(cfg.parallel.device)
-    init_distributed(device, cfg.parallel.world_size)
-    rank = dist.get_rank()
+    distributed = cfg.parallel.world_size > 1
+    if distributed:
+        init_distributed(device, cfg.parallel.world_size, cfg.parallel.timeout_s)
+    rank = dist.get_rank() if distributed else 0
     try:
+        if restart_attempt() > 0:
+
+            def newest() -> str | None:
+                ckpt = pick_checkpoint(Path(run_dir), required=False)
+                return str(ckpt.path) if ckpt else None
+
+            ckpt_path = _on_rank0(newest) if distributed else newest()
         return _train_rank(cfg, Path(run_dir), ckpt_path, console, device)
     except BoostlrError as exc:  # every rank reports its own error, once, in one line
         print(f"boostlr: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
@@ -153,32 +208,18 @@ def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bo
         )
         sys.exit(EXIT_FAILED)
     finally:
-        dist.destroy_process_group()
+        if distributed:
+            dist.destroy_process_group()
 
 
-def _report(message: str) -> None:
-    """One write per message, so lines from concurrent ranks do not interleave."""
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-
-
-def _check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> Checkpoint | None:
-    """Read-only checks of the run directory; returns the checkpoint to resume from."""
+def _check_run_dir(
+    cfg: RunConfig, run_dir: Path, resume: bool, required: bool = True
+) -> Checkpoint | None:
+    """Checks of the run directory before training; returns the checkpoint to resume from."""
     if resume:
-        ckpt, corrupted = newest_verified_checkpoint(run_dir / "checkpoints")
-        for path in corrupted:
-            print(f"boostlr: warning: skipping corrupted checkpoint {path}", file=sys.stderr)
-        if ckpt is None:
-            raise CheckpointError(
-                f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
-                "--resume (or point --run-dir at the run to continue)"
-            )
-        saved_model = ckpt.meta.get("config", {}).get("model")
-        if saved_model != to_dict(cfg)["model"]:
-            raise CheckpointError(
-                f"--resume: the model config differs from the one saved in {ckpt.path}: "
-                "drop the --model.* overrides when resuming"
-            )
+        ckpt = pick_checkpoint(run_dir, required)
+        if ckpt is not None:
+            check_resume_config(ckpt, cfg)
         return ckpt
     if (run_dir / CONFIG_FILE).exists():
         raise ConfigError(
@@ -206,12 +247,17 @@ class RunState:
     loader: BatchLoader
     val_data: list[tuple[torch.Tensor, torch.Tensor]]
     device: torch.device
-    start_step: int
+    writer: CheckpointWriter
     rank: int
+    start_step: int = 0
+    lr_anchor: Anchor | None = None
 
     @property
     def distributed(self) -> bool:
         return self.model.comms.mesh is not None
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.cfg.train, self.lr_anchor)
 
 
 def _train_rank(
@@ -231,38 +277,53 @@ def _train_rank(
     train_ds, val_ds = datasets or open_datasets(cfg)
     dp = model.comms.dp
     t, seq = cfg.train, cfg.data.seq_len
-    loader = BatchLoader(train_ds, t.batch_size, seq, seed=t.seed, dp_rank=dp.rank, dp_size=dp.size)
+    loader = BatchLoader(
+        train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, grad_accum=t.grad_accum
+    )
     val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches)
     # Optimizer on this rank's (DTensor) parameters; fused kernels are for plain tensors.
     optimizer = build_optimizer(model.parameters(), t, fused=model.comms.mesh is None)
-    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, 0, rank)
+    init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
+    writer = CheckpointWriter(
+        run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
+    )
+    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank)
     if ckpt_path is not None:
-        # Verified by the caller before any rank started; read it as it is.
+        # Verified before any rank started (or by rank 0); read it as it is.
         _restore(state, read_checkpoint(Path(ckpt_path)))
+    if rank == 0 and (ckpt_path is not None or restart_attempt() > 0):
+        truncate_after(run_dir / METRICS_FILE, state.start_step)
     return _run(state, console)
 
 
 def _restore(state: RunState, ckpt: Checkpoint) -> None:
-    if state.distributed:
-        trainer = _restore_sharded(state, ckpt)
+    """Weights, AdamW moments, data position, RNG and schedule — at any layout."""
+    if ckpt.sharded:
+        load_sharded_state(ckpt, sharded_state(state), state.model.comms.ckpt_group)
     else:
-        trainer = _restore_single(state, ckpt)
+        _restore_single_file(state, ckpt)
+    trainer, rng = load_trainer_state(ckpt, state.rank)
     state.loader.load_state_dict(trainer["loader"])
-    torch.set_rng_state(trainer["rng"]["cpu"])
-    if torch.cuda.is_available() and trainer["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda{i}" in rng:
+                torch.cuda.set_rng_state(rng[f"cuda{i}"], i)
     state.start_step = ckpt.step
-    if state.rank == 0:
-        truncate_after(state.run_dir / METRICS_FILE, ckpt.step)
+    schedule = trainer.get("lr_schedule") or {}
+    anchor = tuple(schedule["anchor"]) if schedule.get("anchor") else None
+    saved_train = from_dict(ckpt.meta["config"]).train
+    state.lr_anchor = reanchor(saved_train, anchor, state.cfg.train, ckpt.step)
 
 
-def _restore_single(state: RunState, ckpt: Checkpoint) -> dict:
-    (part,) = state.model.stages
-    if ckpt.meta.get("sharded"):
+def _restore_single_file(state: RunState, ckpt: Checkpoint) -> None:
+    """A format-1 checkpoint (one process, full tensors); the next save converts it."""
+    if state.distributed:
         raise CheckpointError(
-            f"checkpoint {ckpt.path} is sharded (written by several ranks): resume it with "
-            "its own layout (--parallel.*), or export it"
+            f"checkpoint {ckpt.path} is an old single-file checkpoint: resume it once in one "
+            "process (parallel degrees 1) to convert it, then at any layout"
         )
+    (part,) = state.model.stages
     weights = load_model_state(ckpt)
     missing, unexpected = part.model.load_state_dict(weights, strict=False)
     tied_only = missing == ["lm_head.weight"] and part.cfg.tie_embeddings
@@ -271,21 +332,8 @@ def _restore_single(state: RunState, ckpt: Checkpoint) -> dict:
             f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}): resume with the run's own config"
         )
-    trainer = load_trainer_state(ckpt)
+    trainer, _ = load_trainer_state(ckpt, 0)
     load_full_optimizer_state(part, state.optimizer, trainer["optimizer"])
-    return trainer
-
-
-def _restore_sharded(state: RunState, ckpt: Checkpoint) -> dict:
-    saved_layout = ckpt.meta.get("layout")
-    if saved_layout != layout_of(state.cfg):
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} was written at layout {saved_layout}, this run is "
-            f"{layout_of(state.cfg)}: resume with the same --parallel.* degrees"
-        )
-    init_optimizer_state(state.optimizer)
-    load_sharded_state(ckpt, sharded_state(state))
-    return torch.load(ckpt.path / f"trainer_rank{state.rank}.pt", weights_only=True)
 
 
 def layout_of(cfg: RunConfig) -> dict:
@@ -295,7 +343,8 @@ def layout_of(cfg: RunConfig) -> dict:
         "dp": p.dp,
         "tp": p.tp,
         "strategy": p.strategy_for(cfg.model.arch),
-        "stages_per_rank": p.virtual_stages,  # which stages (hence shards) a rank holds
+        "stages_per_rank": p.virtual_stages,
+        "dp_mode": p.dp_mode if p.dp > 1 else None,
     }
 
 
@@ -322,16 +371,19 @@ def _run(state: RunState, console: bool) -> TrainResult:
     ledger = model.comms.ledger
     metrics = MetricsLog(run_dir / METRICS_FILE) if state.rank == 0 else None
     progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
-    if start_step:
+    if restart_attempt() > 0:
+        if metrics is not None:
+            metrics.write({"event": "restart", "step": start_step, "attempt": restart_attempt()})
+        progress.print(f"restarted (attempt {restart_attempt()}) at step {start_step}")
+    elif start_step:
         progress.print(f"resumed {run_dir} at step {start_step}")
-    last_ckpt: Path | None = None
     loss_value, val_loss = float("nan"), None
     window_time, window_steps = 0.0, 0
     try:
         for step in range(start_step + 1, t.steps + 1):
             started = time.perf_counter()
             ledger.reset()
-            lr = lr_at(step - 1, t)
+            lr = state.lr(step - 1)
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros((), device=state.device)
@@ -342,13 +394,16 @@ def _run(state: RunState, console: bool) -> TrainResult:
             loss_value = model.global_mean(total / t.grad_accum)
             grad_norm = model.clip_gradients(t.grad_clip)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                kept = str(last_ckpt or newest_checkpoint(run_dir / "checkpoints") or "none")
+                state.writer.wait()
+                kept = newest_checkpoint(run_dir / "checkpoints")
+                kept = kept.path if kept else "none"
                 raise TrainingDiverged(
                     f"loss {loss_value} / grad norm {grad_norm} at step {step} is not finite: "
                     f"stopped without saving (last good checkpoint: {kept}); lower --train.lr "
                     "or use --train.dtype float32, then --resume"
                 )
             optimizer.step()
+            crash_point("step", state.rank, step)
             if state.device.type == "cuda":
                 torch.cuda.synchronize()
             window_time += time.perf_counter() - started
@@ -381,9 +436,12 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     f"step {step:>6}  val_loss {val_loss:.4f}  ppl {math.exp(val_loss):.1f}"
                 )
             if step % t.ckpt_every == 0 or step == t.steps:
-                last_ckpt = _save(state, step)
+                blocked = _save(state, step)
+                if metrics is not None:
+                    metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
             progress.update(step, row)
     finally:
+        state.writer.close()  # a save still in flight is finished, not dropped
         progress.close()
         if metrics is not None:
             metrics.close()
@@ -394,37 +452,22 @@ def _run(state: RunState, console: bool) -> TrainResult:
     return TrainResult(run_dir, t.steps, loss_value, val_loss)
 
 
-def _save(state: RunState, step: int) -> Path | None:
-    """One process: full-shape safetensors; several: every rank writes its own shards."""
+def _save(state: RunState, step: int) -> float:
+    """Every rank writes its own shards (no gather); returns the seconds the loop blocked."""
     cfg, run_dir = state.cfg, state.run_dir
     trainer = {
+        "step": step,
         "loader": state.loader.state_dict(),
-        "rng": {
-            "cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        },
+        "lr_schedule": {"steps": cfg.train.steps, "anchor": state.lr_anchor},
     }
-    meta = {"config": to_dict(cfg), "layout": layout_of(cfg)}
-    extra = {TOKENIZER_FILE: run_dir / TOKENIZER_FILE}
-    if state.distributed:
-        return save_sharded_checkpoint(
-            run_dir / "checkpoints",
-            step,
-            sharded_state(state),
-            trainer,
-            meta,
-            extra,
-            cfg.train.keep_checkpoints,
-            state.rank,
-        )
-    (part,) = state.model.stages
-    trainer["optimizer"] = full_optimizer_state(part, state.optimizer)
-    return save_checkpoint(
-        run_dir / "checkpoints",
-        step,
-        part.full_state_dict(),
-        trainer,
-        meta=meta,
-        extra_files=extra,
-        keep=cfg.train.keep_checkpoints,
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    meta = {
+        "config": to_dict(cfg),
+        "layout": layout_of(cfg),
+        "world_size": cfg.parallel.world_size,
+    }
+    return state.writer.save(
+        step, sharded_state(state), trainer, rng, meta, {TOKENIZER_FILE: run_dir / TOKENIZER_FILE}
     )

@@ -1,0 +1,99 @@
+"""Which checkpoint a run continues from, and what may change when it does.
+
+The config saved in the checkpoint is authoritative for everything that decides the data
+order or the optimizer's arithmetic; changing one of those on ``--resume`` would silently
+train a different run, so it exits 2 naming the keys. The layout (``parallel.*``), the split
+of the global batch into micro-batches, logging cadence and ``train.steps`` may change.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from boostlr.config import RunConfig, to_dict
+from boostlr.errors import CheckpointError
+from boostlr.train.checkpoint import Checkpoint, newest_verified_checkpoint, set_aside
+
+Saved = dict[str, dict[str, Any]]
+
+
+def _global_batch(cfg: Saved) -> int:
+    t, p = cfg["train"], cfg["parallel"]
+    return int(t["batch_size"]) * int(t["grad_accum"]) * int(p["dp"])
+
+
+# Values that fix the data order or the optimizer (the model config is checked whole).
+GUARDED: dict[str, Callable[[Saved], Any]] = {
+    "data.path": lambda c: c["data"]["path"],
+    "data.default_vocab": lambda c: c["data"]["default_vocab"] if not c["data"]["path"] else None,
+    "data.seq_len": lambda c: c["data"]["seq_len"],
+    "train.global_batch (batch_size x grad_accum x dp)": _global_batch,
+    "train.seed": lambda c: c["train"]["seed"],
+    "train.lr": lambda c: c["train"]["lr"],
+    "train.min_lr_ratio": lambda c: c["train"]["min_lr_ratio"],
+    "train.warmup": lambda c: c["train"]["warmup"],
+    "train.weight_decay": lambda c: c["train"]["weight_decay"],
+    "train.beta1": lambda c: c["train"]["beta1"],
+    "train.beta2": lambda c: c["train"]["beta2"],
+    "train.eps": lambda c: c["train"]["eps"],
+    "train.grad_clip": lambda c: c["train"]["grad_clip"],
+    "train.dtype": lambda c: c["train"]["dtype"],
+}
+
+
+def check_resume_config(ckpt: Checkpoint, cfg: RunConfig) -> None:
+    """Refuse a resume that would change the model, the data order or the optimizer."""
+    saved = ckpt.meta.get("config")
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise CheckpointError(f"checkpoint {ckpt.path} has no saved config: it is not a run's")
+    current = to_dict(cfg)
+    if saved["model"] != current["model"]:
+        changes = ", ".join(
+            f"model.{k} {saved['model'].get(k)!r} -> {v!r}"
+            for k, v in current["model"].items()
+            if saved["model"].get(k) != v
+        )
+        raise CheckpointError(
+            f"--resume: the model config differs from the one saved in {ckpt.path} "
+            f"({changes}): drop the --model.* overrides when resuming"
+        )
+    changed = []
+    for key, value in GUARDED.items():
+        try:
+            before = value(saved)
+        except KeyError:  # a checkpoint from before the key existed
+            continue
+        after = value(current)
+        if before != after:
+            changed.append(f"{key} {before!r} -> {after!r}")
+    if changed:
+        raise CheckpointError(
+            f"--resume: {'; '.join(changed)} (saved in {ckpt.path}): these decide the data "
+            "order or the optimizer, so the saved config is kept; drop the overrides, or "
+            "start a new run (--run-dir) to train with them"
+        )
+    if cfg.train.steps < ckpt.step:
+        raise CheckpointError(
+            f"--resume: train.steps {cfg.train.steps} is before the checkpoint's step "
+            f"{ckpt.step}: pass --train.steps {ckpt.step} or more"
+        )
+
+
+def pick_checkpoint(run_dir: Path, required: bool) -> Checkpoint | None:
+    """The newest checkpoint whose hashes verify; newer corrupted ones are set aside.
+
+    Hashes every file once: call it on one process (the launcher, or rank 0) only.
+    """
+    ckpt, corrupted = newest_verified_checkpoint(run_dir / "checkpoints")
+    if corrupted:
+        for path in set_aside(corrupted):
+            print(f"boostlr: warning: corrupted checkpoint set aside as {path}", file=sys.stderr)
+    if ckpt is None and required:
+        raise CheckpointError(
+            f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
+            "--resume (or point --run-dir at the run to continue)"
+        )
+    return ckpt
