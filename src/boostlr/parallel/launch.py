@@ -92,6 +92,32 @@ def init_distributed(device: torch.device, expected_world: int, timeout_s: float
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    store = _attempt_store(world, timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank = int(os.environ["RANK"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
+    """The elastic agent's store, under a prefix of its own for each restart attempt.
+
+    After a restart the agent hands out the same store, still holding the dead attempt's
+    keys: a rank that reads a peer's address before the peer has re-published it would
+    connect to a dead process (measured: gloo's "connection refused" on every restart in
+    which one rank starts late). ``None`` outside an elastic agent (env:// as usual).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout,
     )
+    return dist.PrefixStore(f"/boostlr/attempt_{attempt}", agent)
