@@ -1,0 +1,128 @@
+"""Checkpoint save/load throughput and the time a save blocks training, sync vs async.
+
+A dense model of a few hundred MB (weights + AdamW moments) is sharded over 2 and 4 CPU
+ranks (tensor parallel, gloo); each rank saves it several times with the trainer's
+:class:`CheckpointWriter`, synchronously and asynchronously, then loads it back with DCP.
+Printed per world size and mode, from one run: MB/s per rank for save and load (this rank's
+shard bytes / wall time) and the seconds the caller was blocked per save. Disk and page
+cache dominate on a VM; the async/sync blocking ratio is the number to read.
+
+    python benchmarks/checkpoint.py [--saves 3] [--dim 512] [--layers 8] [--vocab 32000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from boostlr.config import build_config, from_dict, to_dict
+from boostlr.parallel.engine import ParallelModel
+from boostlr.parallel.launch import init_distributed, launch
+from boostlr.train.checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    load_sharded_state,
+    read_checkpoint,
+)
+from boostlr.train.optim import build_optimizer, init_optimizer_state
+
+MB = 1e6
+
+
+def config(args: argparse.Namespace, world: int):
+    overrides = {
+        "model.preset": "tiny",
+        "model.arch": "full",
+        "model.dim": args.dim,
+        "model.ffn_dim": args.dim * 11 // 4,
+        "model.n_layers": args.layers,
+        "model.n_heads": 8,
+        "model.n_kv_heads": 8,
+        "model.vocab_size": args.vocab,
+        "parallel.tp": world,
+        "parallel.device": "cpu",
+    }
+    return build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
+
+
+def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    cfg = from_dict(cfg_dict)
+    device = torch.device("cpu")
+    init_distributed(device, cfg.parallel.world_size)
+    rank = dist.get_rank()
+    model = ParallelModel.build(cfg, device)
+    optimizer = build_optimizer(model.parameters(), cfg.train, fused=False)
+    init_optimizer_state(optimizer)
+    named = model.named_parameters()
+    state = {"model": dict(named), "optim": {n: optimizer.state[p] for n, p in named}}
+    local_bytes = sum(
+        t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+        for t in [p for _, p in named]
+        + [v for s in state["optim"].values() for v in s.values() if v.ndim > 0]
+    )
+    group = model.comms.ckpt_group
+    report: dict = {"rank": rank, "shard_mb": local_bytes / MB}
+    for mode in ("sync", "async"):
+        ckpt_root = Path(root) / mode
+        writer = CheckpointWriter(ckpt_root, rank, group, keep=1, async_save=mode == "async")
+        blocked, total = [], []
+        for i in range(saves):
+            dist.barrier()
+            started = time.perf_counter()
+            rng = {"cpu": torch.get_rng_state()}
+            blocked.append(writer.save(i + 1, state, {"step": i + 1}, rng, {}, {}))
+            writer.wait()  # time to a published checkpoint (async: training would go on)
+            total.append(time.perf_counter() - started)
+        writer.close()
+        report[f"{mode}_block_s"] = statistics.median(blocked)
+        report[f"{mode}_save_mb_s"] = local_bytes / MB / statistics.median(total)
+    ckpt: Checkpoint = read_checkpoint(Path(root) / "sync" / f"step_{saves}")
+    loads = []
+    for _ in range(saves):
+        dist.barrier()
+        started = time.perf_counter()
+        load_sharded_state(ckpt, state, group)
+        loads.append(time.perf_counter() - started)
+    report["load_mb_s"] = local_bytes / MB / statistics.median(loads)
+    dist.destroy_process_group()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    print(
+        f"{'ranks':>5} {'shard MB':>9} {'sync save MB/s':>15} {'async save MB/s':>16} "
+        f"{'load MB/s':>10} {'sync block s':>13} {'async block s':>14} {'async/sync':>10}"
+    )
+    for world in args.worlds:
+        root = tempfile.mkdtemp(prefix="boostlr-ckpt-bench-")
+        try:
+            cfg = config(args, world)
+            results = launch(world, rank_entry, to_dict(cfg), root, args.saves)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        r = results[0]
+        print(
+            f"{world:>5} {r['shard_mb']:>9.1f} {r['sync_save_mb_s']:>15.1f} "
+            f"{r['async_save_mb_s']:>16.1f} {r['load_mb_s']:>10.1f} {r['sync_block_s']:>13.3f} "
+            f"{r['async_block_s']:>14.3f} {r['async_block_s'] / r['sync_block_s']:>10.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
