@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from test_train import read_rows, tiny_run_config
 
 from boostlr.config import build_config
 from boostlr.errors import CheckpointError
+from boostlr.fsutil import sha256_file
 from boostlr.train import loop
 from boostlr.train.checkpoint import META_FILE, list_checkpoints
 from boostlr.train.optim import lr_at
@@ -116,3 +118,33 @@ def test_damaged_checkpoints_exit_2_without_traceback(
     assert "Traceback" not in err and "no complete checkpoint" in err
     code, _, err = run_cli(["export", str(ckpt.path), "--out", str(tmp_path / "x")], capsys)
     assert code == 2 and "Traceback" not in err
+
+
+class _Payload:
+    """Unpickling this would create ``marker``: what a crafted checkpoint could do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_crafted_dcp_metadata_is_refused_not_executed(
+    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    assert run_cli(tiny_args(small_dataset, run, steps=2), capsys)[0] == 0
+    (ckpt,) = list_checkpoints(run / "checkpoints")
+    (ckpt.path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    meta = json.loads((ckpt.path / META_FILE).read_text())  # the attacker fixes the hashes
+    meta["files"][".metadata"] = {
+        "size": (ckpt.path / ".metadata").stat().st_size,
+        "sha256": sha256_file(ckpt.path / ".metadata"),
+    }
+    (ckpt.path / META_FILE).write_text(json.dumps(meta))
+    code, _, err = run_cli(["train", "--run-dir", str(run), "--resume", "--quiet"], capsys)
+    assert code == 2 and "not allowed in DCP metadata" in err and "Traceback" not in err
+    code, _, err = run_cli(["export", str(ckpt.path), "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert not marker.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from boostlr.errors import CheckpointError
 from boostlr.faults import crash_point
@@ -341,15 +343,58 @@ def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         if key.startswith("model.")
     }
     with _quiet_dcp():
-        dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt.path)), no_dist=True)
     return {key.removeprefix("model."): value for key, value in state.items()}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: only its own classes may load.
+
+    DCP reads ``.metadata`` with a bare ``pickle.load`` (the shards it reads with
+    ``weights_only``); a crafted file could run any code. This allowlist is what the
+    metadata of a boostlr checkpoint holds.
+    """
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"},
+        "builtins": {"set", "frozenset", "slice", "tuple", "list", "dict"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or name in self.ALLOWED.get(module, ())
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata unpickled through an allowlist."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def dcp_tensor_entries(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor a DCP directory holds: flattened key -> (global shape, dtype)."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as exc:  # a foreign or damaged .metadata
+        metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a foreign, damaged or malicious .metadata
         raise CheckpointError(
             f"{path}: unreadable DCP metadata ({exc}): use another checkpoint"
         ) from None
@@ -376,7 +421,12 @@ def load_sharded_state(
             f"{' ...' if len(missing) > 3 else ''}: resume with the run's own model config"
         )
     with _quiet_dcp():
-        dcp.load(state, checkpoint_id=str(ckpt.path), process_group=group, no_dist=group is None)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(ckpt.path)),
+            process_group=group,
+            no_dist=group is None,
+        )
 
 
 def _missing_keys(path: Path, state: dict[str, Any]) -> list[str]:
