@@ -21,7 +21,7 @@ from boostlr.export import (
 )
 from boostlr.generate import generate
 from boostlr.models.llama import LlamaModel, build_model
-from boostlr.train.checkpoint import save_checkpoint
+from boostlr.train.checkpoint import CheckpointWriter, load_model_state, read_checkpoint
 
 VOCAB = 320
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
@@ -57,14 +57,16 @@ def _checkpoint(root: Path, cfg: RunConfig, model: LlamaModel, tokenizer_file: P
     state = model.state_dict()
     if cfg.model.tie_embeddings:
         state.pop("lm_head.weight")
-    return save_checkpoint(
-        root / "checkpoints",
+    writer = CheckpointWriter(root / "checkpoints", rank=0, group=None, keep=3)
+    writer.save(
         5,
-        state,
-        trainer_state={},
+        {"model": state},
+        trainer={"step": 5},
+        rng={"cpu": torch.get_rng_state()},
         meta={"config": {"model": to_dict(cfg)["model"]}},
         extra_files={"tokenizer.json": tokenizer_file},
     )
+    return writer.wait()
 
 
 def _tokens(n: int = 24) -> torch.Tensor:
@@ -216,7 +218,7 @@ def test_export_refuses_foreign_dir_and_replaces_earlier_export(
     export_checkpoint(ckpt2, out)  # over an earlier export: allowed
     assert torch.equal(
         load_file(out / "model.safetensors")["model.embed_tokens.weight"],
-        load_file(ckpt2 / "model.safetensors")["embed_tokens.weight"],
+        load_model_state(read_checkpoint(ckpt2))["embed_tokens.weight"],
     )
     assert sorted(p.name for p in out.parent.iterdir()) == ["export"]  # no temp dirs left
 
