@@ -138,14 +138,20 @@ def pp_send_bytes(
     A stage sends its output activations forward (unless last) and its input gradients
     back (unless first), once per pipeline micro-batch of ``micro_tokens`` tokens: the
     residual (BTP: this rank's ``d/t`` slice; else the whole ``d``) in fp32, plus LaX's seven
-    ``[T, r]`` latents in the activation dtype.
+    ``[T, r]`` latents. Forward, a latent travels in the dtype its stage made it in: under
+    bf16 autocast BTP's five down-projection latents that leave the online norm are fp32, its
+    o and down latents (plain all-reduced partials) and every other strategy's are bf16.
+    Backward, every gradient is fp32: the receiving stage's buffers are allocated in fp32.
     """
     d = cfg.dim // tp if strategy == "btp" else cfg.dim
-    per_tensor = micro_tokens * d * FP32
+    residual = micro_tokens * d * FP32
+    fwd = bwd = residual
     if cfg.arch == "lax":
-        per_tensor += 7 * micro_tokens * cfg.rank * act_size
-    directions = (0 if last else 1) + (0 if first else 1)
-    return directions * microbatches * per_tensor
+        latent = micro_tokens * cfg.rank
+        wide = 5 if strategy == "btp" else 0  # q, k, v, gate, up after the online norm
+        fwd += latent * (wide * FP32 + (7 - wide) * act_size)
+        bwd += 7 * latent * FP32
+    return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 
 def fsdp_bytes(module_shard_elements: list[int], dp: int, micro_batches: int, reshard: bool) -> int:

@@ -228,20 +228,29 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
 # ----------------------------------------------------------------------------- memory
 
 
+def state_bytes(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, float]:
+    """fp32 parameters, gradients and AdamW state one rank keeps between steps."""
+    cfg = planning_config(cfg)
+    p, m = cfg.parallel, cfg.model
+    params = rank_params(m, p.strategy_for(m.arch), p, pp_rank, tp_rank)
+    shard = params.sharded if p.dp > 1 else params.local  # FSDP shards all three over dp
+    return {
+        "params": FP32 * shard,
+        "grads": FP32 * shard,
+        "optimizer": 2 * FP32 * shard,  # AdamW exp_avg, exp_avg_sq
+    }
+
+
 def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[str, float]:
     """Bytes one rank (tp rank 0) needs at its peak, by what holds them."""
+    cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
     seqs, _, _ = _micro(cfg)
     tokens = seqs * cfg.data.seq_len
     a = act_size(cfg)
     params = rank_params(m, strategy, p, pp_rank)
-    shard = params.sharded if p.dp > 1 else params.local
-    out = {
-        "params": FP32 * shard,
-        "grads": FP32 * shard,
-        "optimizer": 2 * FP32 * shard,  # AdamW exp_avg, exp_avg_sq
-    }
+    out = state_bytes(cfg, pp_rank)
     if p.dp > 1:
         if p.dp_mode == "fsdp":  # one module gathered, the next prefetched; its full grads
             out["gathered"] = 2 * 2 * FP32 * params.largest_module
