@@ -185,13 +185,19 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
     out = StageTime()
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         fwd = bwd = 0.0
+        per_layer: dict[bool, tuple[float, float, float]] = {}
         for layer in layers:
-            gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
-            fwd += sum(gemm_time(g, hw, dtype, a) for g in gemms)
-            bwd += sum(gemm_time(b, hw, dtype, a) for g in gemms for b in backward(g))
-            out.flops += sum(g.flops for g in gemms) + sum(
-                b.flops for g in gemms for b in backward(g)
-            )
+            key = layer == 0 and m.arch == "lax"  # LaX's block 0 has no crossing gate
+            if key not in per_layer:
+                gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
+                back = [b for g in gemms for b in backward(g)]
+                per_layer[key] = (
+                    sum(gemm_time(g, hw, dtype, a) for g in gemms),
+                    sum(gemm_time(b, hw, dtype, a) for b in back),
+                    sum(g.flops for g in gemms) + sum(b.flops for b in back),
+                )
+            f_time, b_time, flops = per_layer[key]
+            fwd, bwd, out.flops = fwd + f_time, bwd + b_time, out.flops + flops
         ew = block_elementwise_bytes(m, strategy, p.tp, tokens, a) * len(layers)
         kernels = ELEMENTWISE_KERNELS_PER_BLOCK * len(layers)
         fwd += memory_time(ew, hw, kernels)

@@ -71,10 +71,30 @@ def stage_modules(p: ParallelConfig, n_layers: int, pp_rank: int) -> list[tuple[
     return out
 
 
+_RANK_CACHE: dict[tuple, RankParams] = {}
+
+
 def rank_params(
     cfg: ModelConfig, strategy: str | None, p: ParallelConfig, pp_rank: int, tp_rank: int = 0
 ) -> RankParams:
     """Elements of this rank's shards: TP chunk per the strategy, FSDP modules padded to dp."""
+    key = (
+        tuple(sorted(dataclasses.asdict(cfg).items())),
+        strategy,
+        (p.tp, p.dp, p.pp, p.num_stages),
+        pp_rank,
+        tp_rank,
+    )
+    if key not in _RANK_CACHE:
+        if len(_RANK_CACHE) > 4096:
+            _RANK_CACHE.clear()
+        _RANK_CACHE[key] = _rank_params(cfg, strategy, p, pp_rank, tp_rank)
+    return _RANK_CACHE[key]
+
+
+def _rank_params(
+    cfg: ModelConfig, strategy: str | None, p: ParallelConfig, pp_rank: int, tp_rank: int
+) -> RankParams:
     spec = _spec_fn(strategy)
     tp, dp = p.tp, p.dp
     local = 0
