@@ -1,4 +1,4 @@
-"""``boostlr`` command line: prepare | train | export | generate.
+"""``boostlr`` command line: prepare | train | export | generate | plan | calibrate.
 
 Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
 a diverged run exits with code 1 after keeping its last good checkpoint.
@@ -69,6 +69,25 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
+
+    pl = sub.add_parser(
+        "plan",
+        help="predict step time, traffic and memory of full/vanilla/btp, or search layouts",
+        description="Cost model (no GPU, nothing allocated). Config and --section.key VALUE "
+        "overrides as for train.",
+    )
+    pl.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
+    pl.add_argument("--hardware", required=True, help="profile name or path to a .toml file")
+    pl.add_argument("--gpus", type=int, default=None, help="world size (fills parallel.dp -1)")
+    pl.add_argument("--search", action="store_true", help="rank every valid layout of --gpus")
+    pl.add_argument("--top", type=int, default=5, help="layouts to print with --search")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    c = sub.add_parser("calibrate", help="measure this machine and write the 'local' profile")
+    c.add_argument(
+        "--out", default=None, help="profile file (default: <cache>/hardware/local.toml)"
+    )
+    c.add_argument("--threads", type=int, default=1, help="torch threads per process (ranks)")
     return parser
 
 
@@ -139,6 +158,38 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     print(text)
 
 
+def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
+    import json
+
+    from boostlr.analysis import plan
+    from boostlr.analysis.hardware import load_profile
+    from boostlr.config import parse_overrides
+
+    hw = load_profile(args.hardware)
+    cfg = plan.load_config(args.config, parse_overrides(overrides), args.gpus, args.search)
+    if args.search:
+        cands = plan.search(cfg, hw, args.gpus, args.top)
+        if args.json:
+            print(json.dumps(plan.search_json(cands, hw, args.gpus), indent=2))
+        else:
+            preds = [c.prediction for c in cands]
+            plan.print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
+        return
+    rows = plan.strategy_rows(cfg, hw)
+    if args.json:
+        print(json.dumps(plan.plan_json(rows, hw, cfg), indent=2))
+    else:
+        plan.print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> None:
+    from boostlr.analysis.calibrate import calibrate
+
+    path, profile = calibrate(Path(args.out) if args.out else None, threads=args.threads)
+    print(f"wrote {path}")
+    print(profile.to_toml())
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull ``--section.key VALUE`` pairs out before argparse sees (and misreads) them."""
     rest: list[str] = []
@@ -162,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     rest, extra = split_overrides(argv)
     args = parser.parse_args(rest)
-    if extra and args.command != "train":
+    if extra and args.command not in ("train", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "prepare":
@@ -173,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_export(args)
         elif args.command == "generate":
             _cmd_generate(args)
+        elif args.command == "plan":
+            _cmd_plan(args, extra)
+        elif args.command == "calibrate":
+            _cmd_calibrate(args)
     except BoostlrError as exc:
         print(f"boostlr: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

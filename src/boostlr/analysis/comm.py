@@ -57,24 +57,30 @@ def tp_comm_volume(
     grouping: bool = True,
     act_ckpt: str = "none",
     act_size: int = FP32,
+    first: bool = True,
+    last: bool = True,
 ) -> CommVolume:
     """Per-step TP traffic of ``strategy`` for a micro-batch of ``tokens`` tokens.
 
     ``act_size`` is the bytes per element of activations in flight (2 under bf16 autocast).
     The residual-stream collectives (vocab-parallel embedding, BTP's last-hidden gather) and
-    the loss statistics stay fp32, as the fp32 residual and master weights do.
+    the loss statistics stay fp32, as the fp32 residual and master weights do. A pipeline
+    stage holds ``cfg.n_layers`` blocks and the embedding only if ``first``, the final norm,
+    head and loss only if ``last``.
     """
     if tp == 1:
         return CommVolume(0, 0, 0, 0, 0, 0)
+    embed = 1 if first else 0  # vocab-parallel embedding (megatron, vanilla)
+    head = 1 if last else 0
     T, d, L, a = tokens, cfg.dim, cfg.n_layers, act_size
     ce_fwd, ce_calls = 3 * T * FP32, 3  # max, sum of exps, target logit: each [T]
     if strategy == "megatron":
         block_fwd, block_calls_fwd = 2 * T * d * a, 2
         block_bwd, block_calls_bwd = 2 * T * d * a, 2
-        fwd = T * d * FP32 + L * block_fwd + ce_fwd  # + vocab-parallel embedding all-reduce
-        calls_fwd = 1 + L * block_calls_fwd + ce_calls
-        bwd = L * block_bwd + T * d * a  # + the LM head's input grad
-        calls_bwd = L * block_calls_bwd + 1
+        fwd = embed * T * d * FP32 + L * block_fwd + head * ce_fwd  # + vocab-parallel embedding
+        calls_fwd = embed + L * block_calls_fwd + head * ce_calls
+        bwd = L * block_bwd + head * T * d * a  # + the LM head's input grad
+        calls_bwd = L * block_calls_bwd + head
     elif strategy == "vanilla":
         shapes = linear_shapes(cfg).values()
         lax_gather = 7 * T * cfg.rank * a if cfg.arch == "lax" else 0
@@ -84,10 +90,10 @@ def tp_comm_volume(
         # copy_to_group on each distinct A input: norm(x) twice, attention out, MLP product.
         block_bwd = T * (3 * d + cfg.ffn_dim) * a + lax_gather
         block_calls_bwd = 4 + lax_calls
-        fwd = T * d * FP32 + L * block_fwd + ce_fwd
-        calls_fwd = 1 + L * block_calls_fwd + ce_calls
-        bwd = L * block_bwd + T * d * a
-        calls_bwd = L * block_calls_bwd + 1
+        fwd = embed * T * d * FP32 + L * block_fwd + head * ce_fwd
+        calls_fwd = embed + L * block_calls_fwd + head * ce_calls
+        bwd = L * block_bwd + head * T * d * a
+        calls_bwd = L * block_calls_bwd + head
     elif strategy == "btp":
         r = cfg.rank
         block_fwd = (T * 7 * r + 2 * T) * a  # seven [T, r] latents + two [T, 1] statistics
@@ -95,11 +101,12 @@ def tp_comm_volume(
         block_calls_fwd, block_calls_bwd = (4, 4) if grouping else (7, 7)
         if norm == "sync":
             block_calls_fwd += 2  # the statistics travel on their own
-        final = (T * d + d) * FP32  # gather of the last hidden state and the final norm gain
-        fwd = L * block_fwd + final + ce_fwd
-        calls_fwd = L * block_calls_fwd + 2 + ce_calls
+        # gather of the last hidden state and the final norm gain
+        final = head * (T * d + d) * FP32
+        fwd = L * block_fwd + final + head * ce_fwd
+        calls_fwd = L * block_calls_fwd + head * (2 + ce_calls)
         bwd = L * block_bwd + final  # their reduce-scatters
-        calls_bwd = L * block_calls_bwd + 2
+        calls_bwd = L * block_calls_bwd + head * 2
     else:
         raise ValueError(f"unknown TP strategy {strategy!r}")
     if act_ckpt == "block":  # the whole block re-forward re-issues its collectives
@@ -131,14 +138,20 @@ def pp_send_bytes(
     A stage sends its output activations forward (unless last) and its input gradients
     back (unless first), once per pipeline micro-batch of ``micro_tokens`` tokens: the
     residual (BTP: this rank's ``d/t`` slice; else the whole ``d``) in fp32, plus LaX's seven
-    ``[T, r]`` latents in the activation dtype.
+    ``[T, r]`` latents. Forward, a latent travels in the dtype its stage made it in: under
+    bf16 autocast BTP's five down-projection latents that leave the online norm are fp32, its
+    o and down latents (plain all-reduced partials) and every other strategy's are bf16.
+    Backward, every gradient is fp32: the receiving stage's buffers are allocated in fp32.
     """
     d = cfg.dim // tp if strategy == "btp" else cfg.dim
-    per_tensor = micro_tokens * d * FP32
+    residual = micro_tokens * d * FP32
+    fwd = bwd = residual
     if cfg.arch == "lax":
-        per_tensor += 7 * micro_tokens * cfg.rank * act_size
-    directions = (0 if last else 1) + (0 if first else 1)
-    return directions * microbatches * per_tensor
+        latent = micro_tokens * cfg.rank
+        wide = 5 if strategy == "btp" else 0  # q, k, v, gate, up after the online norm
+        fwd += latent * (wide * FP32 + (7 - wide) * act_size)
+        bwd += 7 * latent * FP32
+    return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 
 def fsdp_bytes(module_shard_elements: list[int], dp: int, micro_batches: int, reshard: bool) -> int:
@@ -154,3 +167,26 @@ def fsdp_bytes(module_shard_elements: list[int], dp: int, micro_batches: int, re
         return 0
     full = sum(n * dp * FP32 for n in module_shard_elements)
     return micro_batches * (3 if reshard else 2) * full
+
+
+def fsdp_pipeline_bytes(
+    module_shard_elements: list[int],
+    dp: int,
+    micro_batches: int,
+    reshard: bool,
+    pp_microbatches: int,
+) -> int:
+    """FSDP2 traffic of one pipeline rank per step (payload = the full buffer).
+
+    Under a ``torch.distributed.pipelining`` schedule the stage keeps gathered parameters
+    after each backward and reduces gradients once, after the last pipeline micro-batch.
+    Measured on torch 2.13 (gloo, GPipe / 1F1B / interleaved): with resharding after forward
+    (``fsdp``) every module is all-gathered ``pp_microbatches + 1`` times per schedule step,
+    without it (``ddp``) once; its gradients are reduce-scattered once. ``micro_batches``
+    schedule steps (``grad_accum``) repeat all of it.
+    """
+    if dp == 1:
+        return 0
+    full = sum(n * dp * FP32 for n in module_shard_elements)
+    gathers = pp_microbatches + 1 if reshard else 1
+    return micro_batches * (gathers + 1) * full

@@ -1,0 +1,436 @@
+"""Predict a training step: traffic, memory and time of any model x strategy x layout x GPU.
+
+Pure arithmetic on shapes (DESIGN §5). Bytes come from :mod:`boostlr.analysis.comm`, whose
+formulas the tests check against the ledger of real runs, so ``comm_metrics`` is exactly what
+``ParallelModel.step_metrics`` reports for the same rank. Time is a model:
+
+* each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, with
+  ``eff`` falling for small dims (``HardwareProfile.gemm_eff``, fitted from measurements);
+* element-wise work (norms, σ, RoPE, residual adds, the loss) from memory bandwidth;
+* alpha-beta collectives: ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
+  reduce-scatter half of that, point-to-point ``α + n/B``, on the intra- or inter-node link
+  the group spans (ranks are laid out tp-fastest, then dp, then pp);
+* the pipeline: ``(m·v + p - 1)`` slots of one virtual stage's time (the bubble is the
+  ``p - 1`` extra), every slot waiting for one receive each way;
+* overlap: FSDP prefetches and reduces in the background, so only the dp time beyond the
+  step's compute (plus one module's gather and reduce-scatter) is exposed. No strategy here
+  overlaps its TP collectives: they sit on the autograd critical path.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from boostlr.analysis.comm import (
+    fsdp_bytes,
+    fsdp_pipeline_bytes,
+    per_block_forward,
+    pp_send_bytes,
+    tp_comm_volume,
+)
+from boostlr.analysis.gemms import (
+    Gemm,
+    backward,
+    block_elementwise_bytes,
+    block_gemms,
+    head_elementwise_bytes,
+    head_gemms,
+)
+from boostlr.analysis.hardware import HardwareProfile
+from boostlr.analysis.memory import (
+    BF16_CACHE,
+    FP32,
+    activation_bytes_per_block,
+    in_flight,
+    rank_params,
+    stage_modules,
+)
+from boostlr.config import PRESETS, RunConfig
+
+ELEMENTWISE_KERNELS_PER_BLOCK = 40  # forward kernel launches besides GEMMs (estimate)
+ADAMW_BYTES_PER_PARAM = 32  # fused AdamW: read p, g, m, v, write p, m, v (fp32) + the norm
+
+
+def planning_config(cfg: RunConfig) -> RunConfig:
+    """A copy with the vocabulary set (0 = take it from the preset, as the data would)."""
+    out = copy.deepcopy(cfg)
+    if out.model.vocab_size < 1:
+        out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    return out
+
+
+def act_size(cfg: RunConfig) -> int:
+    return 2 if cfg.train.dtype == "bfloat16" else FP32
+
+
+def _micro(cfg: RunConfig) -> tuple[int, int, int]:
+    """(sequences per pipeline micro-batch, pipeline micro-batches, schedule steps)."""
+    p, t = cfg.parallel, cfg.train
+    m = p.pp_microbatches if p.pp > 1 else 1
+    return t.batch_size // m, m, t.grad_accum
+
+
+def _edge_ranks(cfg: RunConfig) -> list[int]:
+    """The pp ranks that can be the slowest or fullest: the first (embedding, most micro-
+    batches in flight) and the last (head, loss); the others hold only blocks."""
+    return sorted({0, cfg.parallel.pp - 1})
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, int]:
+    """One rank's traffic in one optimizer step, keyed like ``ParallelModel.step_metrics``."""
+    cfg = planning_config(cfg)
+    p, m = cfg.parallel, cfg.model
+    strategy = p.strategy_for(m.arch)
+    seqs, mb, steps = _micro(cfg)
+    tokens = seqs * cfg.data.seq_len
+    a = act_size(cfg)
+    tp = {k: 0 for k in ("bytes", "calls", "bytes_fwd", "bytes_bwd", "bytes_recompute")}
+    pp_bytes = 0
+    for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
+        if strategy is not None:
+            vol = tp_comm_volume(
+                replace(m, n_layers=len(layers)),
+                strategy,
+                p.tp,
+                tokens,
+                norm=p.norm,
+                grouping=p.grouping,
+                act_ckpt=p.act_ckpt,
+                act_size=a,
+                first=first,
+                last=last,
+            )
+            for k, v in vol.metrics(mb * steps).items():
+                tp[k.removeprefix("comm_tp_")] += v
+        if p.pp > 1:
+            pp_bytes += steps * pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a)
+    params = rank_params(m, strategy, p, pp_rank, tp_rank)
+    if p.pp > 1:
+        dp = fsdp_pipeline_bytes(list(params.modules), p.dp, steps, p.dp_mode == "fsdp", mb)
+    else:
+        dp = fsdp_bytes(list(params.modules), p.dp, steps, p.dp_mode == "fsdp")
+    return {
+        **{f"comm_tp_{k}": v for k, v in tp.items()},
+        "comm_dp_bytes": dp,
+        "comm_pp_bytes": pp_bytes,
+    }
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def gemm_time(g: Gemm, hw: HardwareProfile, dtype: str, elem: int) -> float:
+    """Roofline time of one (batched) GEMM plus its launch."""
+    compute = g.flops / (hw.flops(dtype) * hw.gemm_eff(g.m, g.k, g.n))
+    memory = g.bytes(elem) / (hw.hbm_bandwidth * hw.memory_efficiency)
+    return max(compute, memory) + hw.launch
+
+
+def memory_time(nbytes: float, hw: HardwareProfile, kernels: int = 0) -> float:
+    return nbytes / (hw.hbm_bandwidth * hw.memory_efficiency) + kernels * hw.launch
+
+
+def link_bandwidth(hw: HardwareProfile, group: int, span: int) -> tuple[float, float]:
+    """(bytes/s, latency) a group of ``group`` ranks spread over ``span`` consecutive ranks
+    gets: inside a node of all-to-all links (``intra_mesh``) a group uses only its peers'."""
+    link = hw.link(span)
+    bw = link.bandwidth
+    if span <= hw.gpus_per_node and hw.intra_mesh and hw.gpus_per_node > 1:
+        bw *= (group - 1) / (hw.gpus_per_node - 1)
+    return bw, link.latency
+
+
+def collective_time(
+    op: str, nbytes: float, calls: int, group: int, span: int, hw: HardwareProfile
+) -> float:
+    """Ring algorithms; ``nbytes`` is the ledger's payload (the full buffer)."""
+    if group <= 1 or calls == 0:
+        return 0.0
+    bw, alpha = link_bandwidth(hw, group, span)
+    steps = 2 * (group - 1) if op == "all_reduce" else group - 1
+    return calls * (steps * alpha + hw.launch) + steps / group * nbytes / bw
+
+
+@dataclass
+class StageTime:
+    """One pipeline micro-batch through one rank's stages."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    flops: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.fwd + self.bwd + self.recompute
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm
+
+
+def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
+    p, m = cfg.parallel, cfg.model
+    strategy = p.strategy_for(m.arch)
+    seqs, _, _ = _micro(cfg)
+    s, a = cfg.data.seq_len, act_size(cfg)
+    tokens = seqs * s
+    dtype = cfg.train.dtype
+    out = StageTime()
+    for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
+        fwd = bwd = 0.0
+        per_layer: dict[bool, tuple[float, float, float]] = {}
+        for layer in layers:
+            key = layer == 0 and m.arch == "lax"  # LaX's block 0 has no crossing gate
+            if key not in per_layer:
+                gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
+                back = [b for g in gemms for b in backward(g)]
+                per_layer[key] = (
+                    sum(gemm_time(g, hw, dtype, a) for g in gemms),
+                    sum(gemm_time(b, hw, dtype, a) for b in back),
+                    sum(g.flops for g in gemms) + sum(b.flops for b in back),
+                )
+            f_time, b_time, flops = per_layer[key]
+            fwd, bwd, out.flops = fwd + f_time, bwd + b_time, out.flops + flops
+        ew = block_elementwise_bytes(m, strategy, p.tp, tokens, a) * len(layers)
+        kernels = ELEMENTWISE_KERNELS_PER_BLOCK * len(layers)
+        fwd += memory_time(ew, hw, kernels)
+        bwd += memory_time(2 * ew, hw, 2 * kernels)
+        if p.act_ckpt != "none":  # every GEMM of a block sits in a checkpointed region
+            out.recompute += fwd
+        if last:
+            head = head_gemms(m, strategy, p.tp, tokens)
+            fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
+            bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
+            hb = head_elementwise_bytes(m, strategy, p.tp, tokens, a)
+            fwd += memory_time(hb, hw, 8)
+            bwd += memory_time(2 * hb, hw, 8)
+        out.fwd += fwd
+        out.bwd += bwd
+        if strategy is not None and p.tp > 1:
+            vol = tp_comm_volume(
+                replace(m, n_layers=len(layers)),
+                strategy,
+                p.tp,
+                tokens,
+                norm=p.norm,
+                grouping=p.grouping,
+                act_ckpt=p.act_ckpt,
+                act_size=a,
+                first=first,
+                last=last,
+            )
+            # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
+            out.tp_comm += collective_time("all_reduce", vol.total, vol.calls, p.tp, p.tp, hw)
+    return out
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def state_bytes(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, float]:
+    """fp32 parameters, gradients and AdamW state one rank keeps between steps."""
+    cfg = planning_config(cfg)
+    p, m = cfg.parallel, cfg.model
+    params = rank_params(m, p.strategy_for(m.arch), p, pp_rank, tp_rank)
+    shard = params.sharded if p.dp > 1 else params.local  # FSDP shards all three over dp
+    return {
+        "params": FP32 * shard,
+        "grads": FP32 * shard,
+        "optimizer": 2 * FP32 * shard,  # AdamW exp_avg, exp_avg_sq
+    }
+
+
+def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[str, float]:
+    """Bytes one rank (tp rank 0) needs at its peak, by what holds them."""
+    cfg = planning_config(cfg)
+    p, m = cfg.parallel, cfg.model
+    strategy = p.strategy_for(m.arch)
+    seqs, _, _ = _micro(cfg)
+    tokens = seqs * cfg.data.seq_len
+    a = act_size(cfg)
+    params = rank_params(m, strategy, p, pp_rank)
+    out = state_bytes(cfg, pp_rank)
+    if p.dp > 1:
+        if p.dp_mode == "fsdp":  # one module gathered, the next prefetched; its full grads
+            out["gathered"] = 2 * 2 * FP32 * params.largest_module
+        else:  # parameters stay gathered from forward to backward
+            out["gathered"] = FP32 * (params.local + params.largest_module)
+    if a == 2:
+        out["bf16_weights"] = BF16_CACHE * params.local
+    stages = stage_modules(p, m.n_layers, pp_rank)
+    layers = sum(len(layers) for layers, _, _ in stages)
+    per_block = activation_bytes_per_block(m, strategy, p.tp, tokens, a, p.act_ckpt)
+    acts = per_block * layers * in_flight(p, pp_rank)
+    if p.act_ckpt != "none":  # one block's full activations while it is recomputed
+        acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
+    if any(last for _, _, last in stages):
+        acts += tokens * -(-m.vocab_size // (p.tp if strategy else 1)) * (a + 2 * FP32)
+    out["activations"] = acts
+    out["reserved"] = hw.reserved
+    return out
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+@dataclass
+class Prediction:
+    """Everything ``boostlr plan`` reports for one configuration."""
+
+    arch: str
+    strategy: str | None
+    layout: dict[str, Any]
+    step_time: float
+    compute: float  # GEMMs, element-wise, recompute, optimizer (busy time on the critical path)
+    comm: float  # exposed communication: tp + pp + the dp not hidden behind compute
+    bubble: float
+    parts: dict[str, float]
+    memory: dict[str, float]
+    fits: bool
+    comm_bytes: dict[str, int]
+    tp_bytes_fwd_per_block: int
+    gemms: list[dict[str, Any]] = field(default_factory=list)
+    flops_per_rank: float = 0.0
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    def row(self) -> dict[str, Any]:
+        """The JSON row (contract: add fields freely, never rename)."""
+        inten = [g["intensity"] for g in self.gemms if g["kind"] == "linear"]
+        weighted = sum(g["intensity"] * g["flops"] for g in self.gemms if g["kind"] == "linear")
+        total = sum(g["flops"] for g in self.gemms if g["kind"] == "linear")
+        return {
+            "arch": self.arch,
+            "strategy": self.strategy,
+            "step_time_s": self.step_time,
+            "compute_s": self.compute,
+            "comm_s": self.comm,
+            "bubble_s": self.bubble,
+            "tp_bytes_fwd_per_block": self.tp_bytes_fwd_per_block,
+            "memory_gb": self.memory_total / 1e9,
+            "fits": self.fits,
+            "gemm_intensity_min": min(inten) if inten else 0.0,
+            "gemm_intensity_mean": weighted / total if total else 0.0,
+            "parts_s": self.parts,
+            "memory_parts_gb": {k: v / 1e9 for k, v in self.memory.items()},
+            "comm_bytes_per_step": self.comm_bytes,
+            "flops_per_rank": self.flops_per_rank,
+            "layout": self.layout,
+        }
+
+
+def layout_of(cfg: RunConfig) -> dict[str, Any]:
+    p, t = cfg.parallel, cfg.train
+    return {
+        "gpus": p.world_size,
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "dp_mode": p.dp_mode,
+        "pp_schedule": p.pp_schedule if p.pp > 1 else None,
+        "microbatches": p.pp_microbatches if p.pp > 1 else 1,
+        "pp_virtual": p.virtual_stages,
+        "act_ckpt": p.act_ckpt,
+        "batch_size": t.batch_size,
+        "grad_accum": t.grad_accum,
+        "global_batch": t.batch_size * t.grad_accum * p.dp,
+        "seq_len": cfg.data.seq_len,
+        "dtype": t.dtype,
+    }
+
+
+def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
+    """Step time, traffic and memory of a resolved, validated config on ``hw``."""
+    cfg = planning_config(cfg)
+    p, m = cfg.parallel, cfg.model
+    strategy = p.strategy_for(m.arch)
+    seqs, mb, steps = _micro(cfg)
+    v = p.virtual_stages
+    a = act_size(cfg)
+    ranks = _edge_ranks(cfg)
+    stages = {r: stage_time(cfg, hw, r) for r in ranks}
+    slowest = max(stages.values(), key=lambda st: st.total)
+    per_slot = slowest.total / v  # one virtual stage, one micro-batch
+    p2p = 0.0
+    if p.pp > 1:
+        one = pp_send_bytes(m, strategy, p.tp, seqs * cfg.data.seq_len, 1, False, True, a)
+        bw, alpha = link_bandwidth(hw, 2, p.world_size)
+        p2p = 2 * (alpha + hw.launch + one / bw)  # one receive each way per slot
+    slots = mb * v
+    busy = steps * slots * per_slot
+    bubble = steps * (p.pp - 1) * per_slot
+    pp_comm = steps * (slots + p.pp - 1) * p2p
+    tp_comm = steps * mb * slowest.tp_comm
+    compute_only = steps * mb * slowest.compute
+    # Data parallel: the slowest edge rank's FSDP traffic; hidden behind compute except the
+    # first gather and the last reduce-scatter (one module's share).
+    dp_exposed = 0.0
+    dp_total = 0.0
+    params = {r: rank_params(m, strategy, p, r) for r in ranks}
+    if p.dp > 1:
+        for r in ranks:
+            nbytes = comm_metrics(cfg, r)["comm_dp_bytes"]
+            modules = max(1, sum(1 for n in params[r].modules if n))
+            gathers = (mb + 1 if p.pp > 1 else 2) if p.dp_mode == "fsdp" else 1
+            calls = steps * modules * (gathers + 1)
+            span = p.dp * p.tp
+            t_dp = collective_time("all_gather", nbytes, calls, p.dp, span, hw)
+            exposed = max(0.0, t_dp - compute_only) + t_dp / modules
+            if exposed > dp_exposed:
+                dp_exposed, dp_total = exposed, t_dp
+    shard = max(params[r].sharded if p.dp > 1 else params[r].local for r in ranks)
+    optimizer = memory_time(ADAMW_BYTES_PER_PARAM * shard, hw, 4)
+    compute = compute_only + optimizer
+    comm = tp_comm + pp_comm + dp_exposed
+    step = busy + bubble + pp_comm + dp_exposed + optimizer
+    memories = {r: memory_breakdown(cfg, hw, r) for r in ranks}
+    worst = max(memories.values(), key=lambda mem: sum(mem.values()))
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    per_block = per_block_forward(m, strategy, p.tp, tokens, act_size=a) if strategy else 0
+    gemms = block_gemms(m, strategy, p.tp, seqs, cfg.data.seq_len, 1, p.grouping)
+    return Prediction(
+        arch=m.arch,
+        strategy=strategy,
+        layout=layout_of(cfg),
+        step_time=step,
+        compute=compute,
+        comm=comm,
+        bubble=bubble,
+        parts={
+            "gemm_elementwise_s": steps * mb * (slowest.fwd + slowest.bwd),
+            "recompute_s": steps * mb * slowest.recompute,
+            "optimizer_s": optimizer,
+            "tp_comm_s": tp_comm,
+            "pp_comm_s": pp_comm,
+            "dp_comm_s": dp_total,
+            "dp_comm_exposed_s": dp_exposed,
+            "bubble_s": bubble,
+        },
+        memory=worst,
+        fits=sum(worst.values()) <= hw.memory,
+        comm_bytes=comm_metrics(cfg, 0),
+        tp_bytes_fwd_per_block=per_block,
+        gemms=[
+            {
+                "name": g.name,
+                "m": g.m,
+                "k": g.k,
+                "n": g.n,
+                "count": g.count,
+                "kind": g.kind,
+                "flops": g.flops,
+                "intensity": g.intensity(a),
+            }
+            for g in gemms
+        ],
+        flops_per_rank=steps * mb * slowest.flops,
+    )

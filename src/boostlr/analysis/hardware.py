@@ -1,0 +1,211 @@
+"""Hardware profiles for the cost model: compute, memory, and the links between GPUs.
+
+A profile is a small TOML file (units a person can check against a data sheet: TFLOP/s,
+GB/s, GB, µs). Shipped profiles live in ``boostlr/hardware/``; users add their own to
+``$BOOSTLR_HARDWARE`` (a directory) or ``<cache>/hardware`` (``$BOOSTLR_CACHE``, default
+``~/.cache/boostlr``), where ``boostlr calibrate`` writes ``local.toml``. A user file of the
+same name wins over a shipped one; ``--hardware path/to/file.toml`` reads one file directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from boostlr.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 only
+    import tomli as tomllib
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta model of one link class: ``time = alpha + bytes / bandwidth`` per hop."""
+
+    bandwidth: float  # bytes/s per GPU per direction
+    latency: float  # seconds per message step
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What a step time depends on, per GPU (or per CPU process for ``local``)."""
+
+    name: str
+    description: str
+    memory: float  # bytes usable per device
+    gpus_per_node: int
+    peak_flops: dict[str, float]  # dtype name -> FLOP/s of a dense matmul at peak
+    hbm_bandwidth: float  # bytes/s
+    # Achieved fraction of peak for a large GEMM, and the size at which a dimension halves it:
+    # efficiency(M, K, N) = gemm_efficiency * prod(x / (x + gemm_half_dim) for x in M, K, N).
+    gemm_efficiency: float
+    gemm_half_dim: float
+    memory_efficiency: float  # achieved fraction of hbm_bandwidth for element-wise kernels
+    launch: float  # seconds of fixed cost per kernel (launch / dispatch)
+    intra: Link
+    inter: Link
+    reserved: float = 0.0  # bytes per device not available to tensors (context, workspace)
+    # Intra-node links all-to-all (each GPU's bandwidth split over its peers, as NVLink
+    # without a switch: a group of g uses (g-1)/(gpus_per_node-1) of it) or switched.
+    intra_mesh: bool = False
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"hardware profile {self.name} has no peak for {dtype}: add "
+                f"[compute] {dtype}_tflops to it"
+            )
+        return self.peak_flops[dtype]
+
+    def gemm_eff(self, m: float, k: float, n: float) -> float:
+        h = self.gemm_half_dim
+        return self.gemm_efficiency * (m / (m + h)) * (k / (k + h)) * (n / (n + h))
+
+    def link(self, group_span: int) -> Link:
+        """The slowest link a group spanning ``group_span`` consecutive ranks uses."""
+        return self.intra if group_span <= self.gpus_per_node else self.inter
+
+    def to_toml(self) -> str:
+        data = {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "memory_gb": self.memory / GB,
+            "reserved_gb": self.reserved / GB,
+            "gpus_per_node": self.gpus_per_node,
+            "compute": {
+                **{f"{k}_tflops": v / 1e12 for k, v in self.peak_flops.items()},
+                "hbm_gbps": self.hbm_bandwidth / GB,
+                "gemm_efficiency": self.gemm_efficiency,
+                "gemm_half_dim": self.gemm_half_dim,
+                "memory_efficiency": self.memory_efficiency,
+                "launch_us": self.launch * 1e6,
+            },
+            "intra_node": {
+                "bandwidth_gbps": self.intra.bandwidth / GB,
+                "topology": "mesh" if self.intra_mesh else "switch",
+            },
+            "inter_node": {"bandwidth_gbps": self.inter.bandwidth / GB},
+        }
+        data["intra_node"]["latency_us"] = self.intra.latency * 1e6
+        data["inter_node"]["latency_us"] = self.inter.latency * 1e6
+        if self.extra:
+            data["measurements"] = self.extra
+        return tomli_w.dumps(data)
+
+
+def _req(data: dict[str, Any], key: str, where: str) -> Any:
+    if key not in data:
+        raise ConfigError(f"hardware profile {where}: missing key '{key}'")
+    return data[key]
+
+
+def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
+    """Build a profile from parsed TOML; every missing key is named in the error."""
+    compute = _req(data, "compute", where)
+    intra, inter = _req(data, "intra_node", where), _req(data, "inter_node", where)
+    suffix = "_tflops"
+    peaks = {k[: -len(suffix)]: float(v) * 1e12 for k, v in compute.items() if k.endswith(suffix)}
+    if not peaks:
+        raise ConfigError(f"hardware profile {where}: [compute] needs e.g. bfloat16_tflops")
+    try:
+        return HardwareProfile(
+            name=str(_req(data, "name", where)),
+            description=str(data.get("description", "")),
+            source=str(data.get("source", "")),
+            memory=float(_req(data, "memory_gb", where)) * GB,
+            reserved=float(data.get("reserved_gb", 0.0)) * GB,
+            gpus_per_node=int(_req(data, "gpus_per_node", where)),
+            peak_flops=peaks,
+            hbm_bandwidth=float(_req(compute, "hbm_gbps", where)) * GB,
+            gemm_efficiency=float(_req(compute, "gemm_efficiency", where)),
+            gemm_half_dim=float(_req(compute, "gemm_half_dim", where)),
+            memory_efficiency=float(_req(compute, "memory_efficiency", where)),
+            launch=float(compute.get("launch_us", 0.0)) * 1e-6,
+            intra=Link(
+                float(_req(intra, "bandwidth_gbps", where)) * GB,
+                float(_req(intra, "latency_us", where)) * 1e-6,
+            ),
+            inter=Link(
+                float(_req(inter, "bandwidth_gbps", where)) * GB,
+                float(_req(inter, "latency_us", where)) * 1e-6,
+            ),
+            intra_mesh=_topology(intra.get("topology", "switch"), where),
+            extra=dict(data.get("measurements", {})),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"hardware profile {where}: bad value ({exc})") from None
+
+
+def _topology(value: str, where: str) -> bool:
+    if value not in ("mesh", "switch"):
+        raise ConfigError(f"hardware profile {where}: intra_node.topology must be mesh or switch")
+    return value == "mesh"
+
+
+def user_dir() -> Path:
+    """Where user profiles (and ``boostlr calibrate``'s ``local.toml``) live."""
+    if os.environ.get("BOOSTLR_HARDWARE"):
+        return Path(os.environ["BOOSTLR_HARDWARE"]).expanduser()
+    cache = os.environ.get("BOOSTLR_CACHE") or Path.home() / ".cache" / "boostlr"
+    return Path(cache).expanduser() / "hardware"
+
+
+def _shipped() -> dict[str, str]:
+    folder = resources.files("boostlr") / "hardware"
+    return {
+        p.name.removesuffix(".toml"): p.read_text()
+        for p in folder.iterdir()
+        if p.name.endswith(".toml")
+    }
+
+
+def available() -> list[str]:
+    names = set(_shipped())
+    if user_dir().is_dir():
+        names |= {p.stem for p in user_dir().glob("*.toml")}
+    return sorted(names)
+
+
+def load_profile(name: str) -> HardwareProfile:
+    """A profile by name (user dir first, then shipped) or by path to a ``.toml`` file."""
+    path = Path(name).expanduser()
+    if name.endswith(".toml"):
+        if not path.is_file():
+            raise ConfigError(f"hardware profile file {path} does not exist")
+        text, where = path.read_text(), str(path)
+    elif (user_dir() / f"{name}.toml").is_file():
+        where = str(user_dir() / f"{name}.toml")
+        text = Path(where).read_text()
+    elif name in _shipped():
+        text, where = _shipped()[name], f"{name} (shipped)"
+    else:
+        hint = " (run `boostlr calibrate` first)" if name == "local" else ""
+        raise ConfigError(
+            f"unknown hardware profile '{name}'{hint}: choose one of "
+            f"{', '.join(available()) or 'none'} or pass a .toml file"
+        )
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"hardware profile {where} is not valid TOML: {exc}") from None
+    return profile_from_dict(data, where)
+
+
+def as_dict(hw: HardwareProfile) -> dict[str, Any]:
+    """JSON-friendly summary (SI units)."""
+    out = asdict(hw)
+    out.pop("extra")
+    return out

@@ -1,0 +1,180 @@
+"""Parameters each rank holds and the memory a training step needs on it (DESIGN §4, §5).
+
+Parameter shards are not re-derived: the model is built on the meta device (no storage, so a
+30B model costs nothing) and each parameter's split dim comes from the strategy's own
+``param_spec``, so the counts are the ones the trainer materialises, padding included.
+Activation memory is an estimate of the tensors autograd saves per block under each
+``act_ckpt`` mode, times the pipeline micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from boostlr.config import ModelConfig, ParallelConfig
+from boostlr.parallel.sharding import ShardSpec, chunk_range
+
+FP32 = 4
+BF16_CACHE = 2  # autocast keeps a bf16 copy of every weight it casts until the forward ends
+
+
+@lru_cache(maxsize=32)
+def _param_shapes(key: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    from boostlr.models.llama import LlamaModel  # torch import only when planning
+
+    cfg = ModelConfig(**dict(key))
+    model = LlamaModel(cfg, device="meta")
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+
+
+def param_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every parameter's global name and shape (tied weights once), from a meta model."""
+    return _param_shapes(tuple(sorted(dataclasses.asdict(cfg).items())))
+
+
+def _spec_fn(strategy: str | None):
+    from boostlr.parallel.tensor_parallel import STRATEGIES
+
+    if strategy is None:
+        return lambda name, cfg, tp: ShardSpec(None)
+    return STRATEGIES[strategy].param_spec
+
+
+def _layer_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """One pipeline rank's parameters (tp rank 0, the largest chunks)."""
+
+    local: int  # elements after tensor-parallel sharding
+    modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
+    largest_module: int  # elements of the largest module before dp sharding
+
+    @property
+    def sharded(self) -> int:
+        return sum(self.modules)
+
+
+def stage_modules(p: ParallelConfig, n_layers: int, pp_rank: int) -> list[tuple[range, bool, bool]]:
+    """(layers, first, last) of each stage a pp rank holds (same split as the trainer)."""
+    from boostlr.parallel.pipeline import stage_ids, stage_layers
+
+    out = []
+    for sid in stage_ids(p, pp_rank):
+        layers = stage_layers(n_layers, p.num_stages, sid)
+        out.append((layers, sid == 0, sid == p.num_stages - 1))
+    return out
+
+
+_RANK_CACHE: dict[tuple, RankParams] = {}
+
+
+def rank_params(
+    cfg: ModelConfig, strategy: str | None, p: ParallelConfig, pp_rank: int, tp_rank: int = 0
+) -> RankParams:
+    """Elements of this rank's shards: TP chunk per the strategy, FSDP modules padded to dp."""
+    key = (
+        tuple(sorted(dataclasses.asdict(cfg).items())),
+        strategy,
+        (p.tp, p.dp, p.pp, p.num_stages),
+        pp_rank,
+        tp_rank,
+    )
+    if key not in _RANK_CACHE:
+        if len(_RANK_CACHE) > 4096:
+            _RANK_CACHE.clear()
+        _RANK_CACHE[key] = _rank_params(cfg, strategy, p, pp_rank, tp_rank)
+    return _RANK_CACHE[key]
+
+
+def _rank_params(
+    cfg: ModelConfig, strategy: str | None, p: ParallelConfig, pp_rank: int, tp_rank: int
+) -> RankParams:
+    spec = _spec_fn(strategy)
+    tp, dp = p.tp, p.dp
+    local = 0
+    modules: list[int] = []
+    largest = 0
+    shapes = param_shapes(cfg)
+    for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
+        blocks = {i: 0 for i in layers}
+        block_local = {i: 0 for i in layers}
+        root = root_local = 0
+        for name, shape in shapes:
+            layer = _layer_of(name)
+            if layer is None:
+                top = name.split(".")[0]
+                if top == "embed_tokens" and not first:
+                    continue
+                if top in ("norm", "lm_head") and not last:
+                    continue
+            elif layer not in blocks:
+                continue
+            dims = list(shape)
+            dim = spec(name, cfg, tp).dim
+            if dim is not None:
+                start, end = chunk_range(dims[dim], tp_rank, tp)
+                dims[dim] = end - start
+            n = math.prod(dims)
+            padded = -(-dims[0] // dp) * math.prod(dims[1:])
+            local += n
+            if layer is None:
+                root += padded
+                root_local += n
+            else:
+                blocks[layer] += padded
+                block_local[layer] += n
+        modules += [*blocks.values(), root]
+        largest = max([largest, root_local, *block_local.values()])
+    return RankParams(local, tuple(modules), largest)
+
+
+def activation_bytes_per_block(
+    cfg: ModelConfig, strategy: str | None, tp: int, tokens: int, act: int, act_ckpt: str
+) -> float:
+    """Bytes autograd keeps per block for one micro-batch until its backward (estimate)."""
+    T, t = tokens, tp if strategy else 1
+    d, kv, f = cfg.dim, cfg.kv_dim, cfg.ffn_dim
+    r = cfg.rank or 0
+    res = d // t if strategy == "btp" else d  # residual width on this rank
+    lax_lat = 7 * T * r * act if cfg.arch == "lax" else 0  # latents handed to the next block
+    if act_ckpt == "block":
+        return T * res * FP32 + lax_lat
+    if act_ckpt == "lowrank":  # region inputs: the replicated latents and the residual slice
+        return 2 * T * 7 * r * act + 2 * T * res * FP32 + lax_lat
+    heads_w = d if strategy == "vanilla" else d // t  # vanilla replicates q/k/v and attention
+    kv_w = kv if strategy == "vanilla" else kv // t
+    ff = f if strategy == "vanilla" else f // t
+    norm_w = res
+    total = 2 * T * res * FP32 + 2 * T * norm_w * act  # norm inputs and outputs
+    total += 2 * T * (heads_w + 2 * kv_w) * act  # q, k, v before and after RoPE
+    total += T * heads_w * act + T * (cfg.n_heads // (1 if strategy == "vanilla" else t)) * FP32
+    total += 4 * T * ff * act  # gate, up, σ(gate), product
+    if cfg.lowrank:
+        lat = r // t if strategy == "vanilla" else r
+        total += 7 * 2 * T * lat * act  # A's outputs and σ's outputs
+        total += lax_lat
+    return float(total)
+
+
+def in_flight(p: ParallelConfig, pp_rank: int) -> float:
+    """Pipeline micro-batches whose activations one rank holds at once (per stage it runs).
+
+    GPipe runs every forward first; 1F1B holds ``pp - rank``; interleaved 1F1B's first rank
+    holds ``pp`` micro-batches of each of its stages plus ``pp - 1`` of warm-up (Megatron's
+    count), spread over ``pp_virtual`` stages.
+    """
+    m = p.pp_microbatches
+    if p.pp == 1:
+        return 1.0
+    if p.pp_schedule == "gpipe":
+        return float(m)
+    if p.pp_schedule == "1f1b":
+        return float(min(m, p.pp - pp_rank))
+    v = p.virtual_stages
+    return float(min(m * v, p.pp * v + p.pp - 1 - 2 * pp_rank)) / v

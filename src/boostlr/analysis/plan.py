@@ -1,0 +1,266 @@
+"""``boostlr plan``: the three strategies side by side, or the best layouts for N GPUs.
+
+Configs are built exactly as ``boostlr train`` builds them (TOML, then ``--section.key``
+overrides, then :func:`~boostlr.config.build_config`'s resolution and validation), so a row or
+a proposal is always a config the trainer accepts. Impossible requests raise
+:class:`~boostlr.errors.ConfigError` (one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from boostlr.analysis.costmodel import Prediction, predict
+from boostlr.analysis.hardware import HardwareProfile, as_dict
+from boostlr.config import PP_SCHEDULES, RunConfig, build_config, resolve_model, validate
+from boostlr.errors import ConfigError
+
+SEARCH_OVERRIDES = [  # --search replaces the layout; model, data and train stay
+    ("parallel.tp", "1"),
+    ("parallel.pp", "1"),
+    ("parallel.dp", "-1"),
+    ("parallel.tp_strategy", "auto"),
+    ("parallel.act_ckpt", "none"),
+    ("parallel.microbatches", "0"),
+]
+
+
+def load_config(
+    file: str | None, pairs: list[tuple[str, str]], gpus: int | None, search: bool
+) -> RunConfig:
+    """The run config ``boostlr train`` would build; ``--gpus`` fills ``parallel.nproc``."""
+    extra: list[tuple[str, str]] = []
+    if search:
+        if not gpus:
+            raise ConfigError("--search needs --gpus N: the number of GPUs to lay out")
+        extra = [*SEARCH_OVERRIDES, ("parallel.nproc", str(gpus))]
+    elif gpus:
+        extra = [("parallel.nproc", str(gpus))]
+    return build_config(file, extra + pairs)
+
+
+def _variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:
+    out = copy.deepcopy(cfg)
+    m = out.model
+    if arch != m.arch:
+        m.arch = arch
+        m.rank = None if arch != "full" else m.rank
+        m.mlp = "auto"
+        resolve_model(m)
+    out.parallel.tp_strategy = strategy
+    out.parallel.act_ckpt = act_ckpt
+    validate(out)
+    return out
+
+
+def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
+    """Dense ``full`` + ``megatron``, then the config's low-rank arch under vanilla and btp.
+
+    Each row keeps the config's ``act_ckpt`` where it applies; ``lowrank`` (BTP regions only)
+    becomes ``block`` for the two baselines, as in the paper-layout configs.
+    """
+    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
+    ckpt = cfg.parallel.act_ckpt
+    base_ckpt = "block" if ckpt == "lowrank" else ckpt
+    variants = [
+        ("full", "megatron", base_ckpt),
+        (lowrank, "vanilla", base_ckpt),
+        (lowrank, "btp", ckpt),
+    ]
+    return [predict(_variant(cfg, a, s, c), hw) for a, s, c in variants]
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@dataclass
+class Candidate:
+    overrides: dict[str, str]
+    prediction: Prediction
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def search(cfg: RunConfig, hw: HardwareProfile, gpus: int, top: int = 5) -> list[Candidate]:
+    """Every valid layout of ``gpus`` GPUs that fits memory, fastest first.
+
+    The global batch (sequences per optimizer step) and ``train.batch_size`` stay fixed;
+    ``grad_accum`` follows from dp. TP stays inside a node.
+    """
+    gpn = hw.gpus_per_node
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {gpus}")
+    if gpus > gpn and gpus % gpn:
+        raise ConfigError(
+            f"--gpus {gpus} is not a multiple of the {gpn} GPUs per node of {hw.name}: "
+            "tensor- and data-parallel groups would straddle a partial node; use a multiple"
+        )
+    m, t = cfg.model, cfg.train
+    global_batch = t.batch_size * t.grad_accum * cfg.parallel.dp
+    archs = (m.arch,)
+    tried = 0
+    found: list[Candidate] = []
+    biggest = 0.0
+    for tp in (k for k in _divisors(gpus) if k <= gpn):
+        for pp in (k for k in _divisors(gpus // tp) if k <= m.n_layers):
+            dp = gpus // (tp * pp)
+            if global_batch % (t.batch_size * dp):
+                continue
+            accum = global_batch // (t.batch_size * dp)
+            micro = [0] if pp == 1 else sorted({k for k in _divisors(t.batch_size) if k >= pp})
+            schedules = ["1f1b"] if pp == 1 else list(PP_SCHEDULES)
+            for arch, mb, schedule in itertools.product(archs, micro, schedules):
+                if arch == "full":
+                    strategies = ["megatron"] if tp > 1 else ["auto"]
+                else:
+                    strategies = ["vanilla", "btp"] if tp > 1 else ["auto"]
+                for strategy in strategies:
+                    ckpts = ["none", "block"] + (["lowrank"] if strategy == "btp" else [])
+                    for ckpt, mode in itertools.product(ckpts, ("fsdp", "ddp")):
+                        over = {
+                            "parallel.tp": str(tp),
+                            "parallel.pp": str(pp),
+                            "parallel.dp": str(dp),
+                            "parallel.nproc": str(gpus),
+                            "parallel.tp_strategy": strategy,
+                            "parallel.act_ckpt": ckpt,
+                            "parallel.dp_mode": mode,
+                            "parallel.pp_schedule": schedule,
+                            "parallel.microbatches": str(mb),
+                            "train.grad_accum": str(accum),
+                            "train.global_batch": "0",
+                        }
+                        try:
+                            cand = _apply(cfg, over)
+                        except ConfigError:
+                            continue
+                        tried += 1
+                        pred = predict(cand, hw)
+                        biggest = max(biggest, pred.memory_total)
+                        if pred.fits:
+                            found.append(Candidate(over, pred))
+    if not found:
+        what = f"{m.preset} {m.arch}" + (f" (d {m.dim}, {m.n_layers} layers)" if m.dim else "")
+        raise ConfigError(
+            f"{what} does not fit any of the {tried} valid layouts of {gpus} x {hw.name} "
+            f"({hw.memory / 1e9:.0f} GB each): use more GPUs, a smaller train.batch_size or "
+            "data.seq_len, or a larger-memory profile"
+        )
+    found.sort(key=lambda c: c.prediction.step_time)
+    return _distinct(found)[:top]
+
+
+def _distinct(cands: list[Candidate]) -> list[Candidate]:
+    """Drop layouts whose prediction equals a faster one's (dp_mode at dp 1, say)."""
+    seen: set[tuple] = set()
+    out = []
+    for c in cands:
+        p = c.prediction
+        key = (round(p.step_time, 9), round(p.memory_total), c.overrides["parallel.tp"])
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
+    """``cfg`` with the layout overrides, resolved and validated like the trainer's."""
+    from boostlr.config import _set, resolve_layout
+
+    out = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        _set(out, key, value)
+    resolve_layout(out)
+    validate(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def plan_json(rows: list[Prediction], hw: HardwareProfile, cfg: RunConfig) -> dict[str, Any]:
+    out_rows = [r.row() for r in rows]
+    btp = next((r for r in rows if r.strategy == "btp"), None)
+    if btp is not None:
+        for row, pred in zip(out_rows, rows, strict=True):
+            row["btp_speedup"] = pred.step_time / btp.step_time
+    return {
+        "rows": out_rows,
+        "hardware": as_dict(hw),
+        "layout": rows[0].layout if rows else None,
+        "model": {
+            "preset": cfg.model.preset,
+            "dim": cfg.model.dim,
+            "n_layers": cfg.model.n_layers,
+            "ffn_dim": cfg.model.ffn_dim,
+            "rank": _rank_of(cfg),
+        },
+    }
+
+
+def _rank_of(cfg: RunConfig) -> int | None:
+    return cfg.model.rank if cfg.model.lowrank else round(cfg.model.rank_ratio * cfg.model.dim)
+
+
+def search_json(cands: list[Candidate], hw: HardwareProfile, gpus: int) -> dict[str, Any]:
+    return {
+        "rows": [{**c.prediction.row(), "overrides": c.overrides} for c in cands],
+        "hardware": as_dict(hw),
+        "layout": {"gpus": gpus},
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    btp = next((r for r in rows if r.strategy == "btp"), None)
+    table = Table(title=title)
+    for col in (
+        "arch",
+        "strategy",
+        "layout",
+        "step s",
+        "compute s",
+        "exposed comm s",
+        "bubble s",
+        "TP GB/block fwd",
+        "GEMM intensity min/mean",
+        "memory GB/GPU",
+        "fits",
+        "btp speed-up",
+    ):
+        table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
+    for r in rows:
+        row = r.row()
+        lay = r.layout
+        layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
+        if lay["pp"] > 1:
+            layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
+        if lay["dp"] > 1:
+            layout += f" {lay['dp_mode']}"
+        table.add_row(
+            r.arch,
+            r.strategy or "none (tp 1)",
+            layout,
+            f"{r.step_time:.3f}",
+            f"{r.compute:.3f}",
+            f"{r.comm:.3f}",
+            f"{r.bubble:.3f}",
+            f"{r.tp_bytes_fwd_per_block / 2**30:.3f}",
+            f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
+            f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
+            "yes" if r.fits else "NO",
+            f"{r.step_time / btp.step_time:.2f}x" if btp else "-",
+        )
+    console = Console()
+    Console(width=max(console.width, 160)).print(table)

@@ -1,0 +1,254 @@
+"""The cost model against what runs: ledger bytes, parameter memory, plan's contract.
+
+Every layout the TP and 3D tests run is run here once more on real gloo groups (one
+optimizer step each) and each rank's ``step_metrics`` must equal ``comm_metrics`` for its
+coordinates exactly; its fp32 parameter + gradient + AdamW state must be within 10% of
+``state_bytes``. The rest is pure arithmetic (``boostlr plan``, ``--search``, profiles).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from contextlib import nullcontext
+from dataclasses import replace
+
+import pytest
+import torch
+from distributed import run_distributed
+from parallel_cases import global_batch, layout_config
+from torch.distributed.tensor import DTensor
+
+from boostlr.analysis.costmodel import comm_metrics, predict, state_bytes
+from boostlr.analysis.hardware import load_profile
+from boostlr.cli import main
+from boostlr.config import build_config
+
+MEMORY_TOL = 0.10
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def measure(rank: int, world: int, cases: list[tuple[str, object]]) -> dict:
+    """One optimizer step per case: this rank's ledger metrics and its resident state."""
+    from boostlr.parallel.engine import ParallelModel
+
+    out = {}
+    for label, cfg in cases:
+        model = ParallelModel.build(cfg, torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        inputs, targets = global_batch(cfg)
+        b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
+        mine = slice(dp_rank * b, (dp_rank + 1) * b)
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16)
+            if cfg.train.dtype == "bfloat16"
+            else nullcontext()
+        )
+        model.comms.ledger.reset()
+        for _ in range(cfg.train.grad_accum):
+            with autocast:
+                model.forward_backward(inputs[mine], targets[mine])
+        metrics = model.step_metrics()
+        opt.step()
+        params = model.parameters()
+        state = sum(
+            _local_bytes(v)
+            for p in params
+            for v in opt.state[p].values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+        out[label] = {
+            "metrics": metrics,
+            "coords": (model.comms.pp.rank, model.comms.dp.rank, model.comms.tp.rank),
+            "params": sum(_local_bytes(p) for p in params),
+            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": state,
+        }
+    return out
+
+
+def _case(arch: str, strategy: str, pp: int, dp: int, tp: int, **extra) -> tuple[str, object]:
+    label = f"pp{pp}dp{dp}tp{tp} {arch} {strategy} {extra}"
+    return label, layout_config(arch, strategy, pp, dp, tp, **extra)
+
+
+CASES_2 = [  # TP 2 for every strategy and its options, dp2 and pp2 at TP 1
+    _case("full", "megatron", 1, 1, 2),
+    _case("full", "megatron", 1, 1, 2, **{"parallel.act_ckpt": "block"}),
+    _case("cola", "vanilla", 1, 1, 2, **{"parallel.act_ckpt": "block"}),
+    _case("lax", "vanilla", 1, 1, 2),
+    _case("cola", "btp", 1, 1, 2, **{"parallel.act_ckpt": "lowrank"}),
+    _case("svd", "btp", 1, 1, 2, **{"parallel.grouping": "false", "parallel.norm": "sync"}),
+    _case("lax", "btp", 1, 1, 2, **{"parallel.act_ckpt": "block"}),
+    _case("cola", "btp", 1, 1, 2, **{"train.dtype": "bfloat16"}),
+    _case("full", "auto", 1, 2, 1),
+    _case("lax", "auto", 2, 1, 1, **{"parallel.pp_schedule": "gpipe", "train.dtype": "bfloat16"}),
+]
+CASES_4 = [  # TP 4, and the 3D layouts of tests/test_parallel_3d.py
+    _case("full", "megatron", 1, 1, 4),
+    _case("cola", "vanilla", 1, 1, 4),
+    _case("lax", "btp", 1, 1, 4, **{"parallel.act_ckpt": "lowrank"}),
+    _case("cola", "vanilla", 1, 2, 2, **{"train.grad_accum": 2}),
+    _case("svd", "btp", 1, 2, 2, **{"parallel.dp_mode": "ddp"}),
+    _case("full", "megatron", 2, 1, 2, **{"parallel.pp_schedule": "gpipe"}),
+    _case("lax", "btp", 2, 1, 2, **{"parallel.act_ckpt": "block", "train.dtype": "bfloat16"}),
+    _case("cola", "btp", 2, 1, 2, **{"parallel.pp_schedule": "interleaved"}),
+    _case("cola", "auto", 2, 2, 1, **{"parallel.pp_schedule": "gpipe", "parallel.microbatches": 4}),
+    _case("svd", "auto", 2, 2, 1, **{"parallel.dp_mode": "ddp", "train.grad_accum": 2}),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_predicted_bytes_equal_the_ledger_and_memory_is_close(world: int) -> None:
+    cases = CASES_2 if world == 2 else CASES_4
+    per_rank = run_distributed(measure, world, cases, timeout_s=600)
+    by_label = dict(cases)
+    for reports in per_rank:
+        for label, r in reports.items():
+            cfg = by_label[label]
+            pp_rank, _, tp_rank = r["coords"]
+            assert r["metrics"] == comm_metrics(cfg, pp_rank, tp_rank), (label, r["coords"])
+            predicted = state_bytes(cfg, pp_rank, tp_rank)
+            for key in ("params", "grads", "optimizer"):
+                err = abs(predicted[key] - r[key]) / r[key]
+                assert err <= MEMORY_TOL, (label, r["coords"], key, predicted[key], r[key])
+    # The layouts really communicate: the comparison is not between zeros.
+    some = per_rank[0]
+    assert any(v["metrics"]["comm_tp_bytes"] > 0 for v in some.values())
+    assert any(v["metrics"]["comm_dp_bytes"] > 0 for v in some.values())
+    assert any(v["metrics"]["comm_pp_bytes"] > 0 for v in some.values())
+
+
+# --- boostlr plan: pure arithmetic --------------------------------------------------------
+
+PAPER_7B = [
+    "--model.preset",
+    "7B",
+    "--data.seq_len",
+    "4096",
+    "--train.batch_size",
+    "4",
+    "--train.dtype",
+    "bfloat16",
+    "--parallel.tp",
+    "4",
+    "--parallel.act_ckpt",
+    "lowrank",
+]
+ROW_KEYS = {
+    "arch": str,
+    "strategy": str,
+    "step_time_s": float,
+    "compute_s": float,
+    "comm_s": float,
+    "tp_bytes_fwd_per_block": int,
+    "memory_gb": float,
+    "fits": bool,
+}
+
+
+def _plan(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _plan(["--hardware", "a100-40gb", "--json", *PAPER_7B], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) >= {"rows", "hardware", "layout"}
+    rows = data["rows"]
+    assert [(r["arch"], r["strategy"]) for r in rows] == [
+        ("full", "megatron"),
+        ("cola", "vanilla"),
+        ("cola", "btp"),
+    ]
+    for r in rows:
+        for key, kind in ROW_KEYS.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["comm_s"] + r["bubble_s"])
+        assert r["fits"] == (r["memory_gb"] <= data["hardware"]["memory"] / 1e9)
+    assert data["layout"]["tp"] == 4 and data["hardware"]["name"] == "a100-40gb"
+    # DESIGN §2's per-block forward figures for LLaMA-7B, batch 4, bf16 (GiB).
+    gib = [r["tp_bytes_fwd_per_block"] / 2**30 for r in rows]
+    assert round(gib[0], 2) == 0.25 and round(gib[2], 2) == 0.22 and abs(gib[1] - 1.32) < 0.03
+    full, vanilla, btp = (r["step_time_s"] for r in rows)
+    assert btp < full < vanilla  # the paper's ordering at 7B / TP 4
+    assert rows[1]["gemm_intensity_min"] < rows[2]["gemm_intensity_min"]  # skinny vanilla B
+
+
+def test_plan_table_and_meta_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """30B planned on a profile; the process does not grow by anything like its weights."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    code, out, _ = _plan(
+        ["--hardware", "h200", "--model.preset", "30B", "--parallel.tp", "4", "--parallel.pp", "4"],
+        capsys,
+    )
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert code == 0 and "btp" in out and "megatron" in out
+    assert grown < 1e9  # 30B fp32 weights alone would be 130 GB
+
+
+def test_search_proposes_only_valid_layouts_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    hw = load_profile("a100-40gb")
+    args = ["--hardware", "a100-40gb", "--search", "--gpus", "16", "--json", "--top", "8"]
+    base = ["--model.preset", "13B", "--data.seq_len", "4096", "--train.batch_size", "8"]
+    base += ["--train.dtype", "bfloat16", "--train.global_batch", "128"]
+    code, out, _ = _plan(args + base, capsys)
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    assert rows and rows == sorted(rows, key=lambda r: r["step_time_s"])
+    pairs = list(zip(base[::2], base[1::2], strict=True))
+    for r in rows:
+        over = [(k, v) for k, v in r["overrides"].items()]
+        cfg = build_config(overrides=[(k.removeprefix("--"), v) for k, v in pairs] + over)
+        p = cfg.parallel
+        assert p.world_size == 16 and p.tp <= hw.gpus_per_node
+        assert cfg.train.batch_size * cfg.train.grad_accum * p.dp == 128
+        assert r["fits"] and r["memory_gb"] * 1e9 <= hw.memory
+        assert predict(cfg, hw).step_time == pytest.approx(r["step_time_s"])
+    # 13B fp32 state alone (16 bytes/param = 208 GB) cannot sit on one 40 GB GPU: never
+    # proposed at pp 1 x tp 1 x dp 1 on fewer GPUs, and 1 GPU is refused outright.
+    code, _, err = _plan(["--hardware", "a100-40gb", "--search", "--gpus", "1", *base], capsys)
+    assert code == 2 and "does not fit any" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hardware", "tpu-v9"], "unknown hardware profile 'tpu-v9'"),
+        (["--hardware", "a100-40gb", "--search"], "--search needs --gpus"),
+        (["--hardware", "a100-40gb", "--search", "--gpus", "6"], "not a multiple of the 4"),
+        (["--hardware", "a100-40gb", "--parallel.tp", "3"], "parallel.tp 3 does not divide"),
+        (["--hardware", "a100-40gb", "--model.nope", "1"], "unknown config key 'model.nope'"),
+        (["--hardware", "/nonexistent/hw.toml"], "does not exist"),
+    ],
+)
+def test_bad_plan_requests_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _plan(args, capsys)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_profiles_load_and_user_profiles_win(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200"):
+        hw = load_profile(name)
+        assert hw.name == name and hw.memory > 30e9 and hw.flops("bfloat16") > 1e14
+    a100 = load_profile("a100-40gb")
+    assert a100.gpus_per_node == 4 and a100.flops("bfloat16") == 312e12
+    monkeypatch.setenv("BOOSTLR_HARDWARE", str(tmp_path))
+    mine = replace(a100, name="local", memory=1e9, gpus_per_node=2)
+    (tmp_path / "local.toml").write_text(mine.to_toml())
+    assert load_profile("local") == replace(mine, extra={})
+    code, out, _ = _plan(["--hardware", "local", "--json", "--model.preset", "7B"], capsys)
+    assert code == 0 and not any(r["fits"] for r in json.loads(out)["rows"])  # 1 GB
