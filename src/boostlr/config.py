@@ -268,7 +268,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {annotation}")  # pragma: no cover
 
 
-def _set(cfg: RunConfig, dotted: str, value: Any) -> None:
+def set_value(cfg: RunConfig, dotted: str, value: Any) -> None:
     section, _, name = dotted.partition(".")
     if section not in SECTIONS or not name:
         raise ConfigError(
@@ -289,7 +289,7 @@ def apply_mapping(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: top-level key '{section}' must be a [section] table")
         for name, value in values.items():
-            _set(cfg, f"{section}.{name}", value)
+            set_value(cfg, f"{section}.{name}", value)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -333,7 +333,7 @@ def build_config(
     if file is not None:
         apply_mapping(cfg, load_toml(file), str(file))
     for key, value in overrides or []:
-        _set(cfg, key, value)
+        set_value(cfg, key, value)
     resolve_model(cfg.model)
     resolve_layout(cfg)
     validate(cfg)

@@ -170,11 +170,11 @@ def _distinct(cands: list[Candidate]) -> list[Candidate]:
 
 def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     """``cfg`` with the layout overrides, resolved and validated like the trainer's."""
-    from boostlr.config import _set, resolve_layout
+    from boostlr.config import resolve_layout, set_value
 
     out = copy.deepcopy(cfg)
     for key, value in overrides.items():
-        _set(out, key, value)
+        set_value(out, key, value)
     resolve_layout(out)
     validate(out)
     return out
