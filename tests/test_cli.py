@@ -48,6 +48,7 @@ def tiny_args(data: Path, run: Path, steps: int = 2) -> list[str]:
         (["train", "--resume"], "--resume needs --run-dir"),
         (["train", "--data.path", "/nonexistent/ds"], "/nonexistent/ds"),
         (["export", "/nonexistent/ckpt", "--out", "/tmp/x"], "not a checkpoint"),
+        (["ckpt", "info", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
         (["prepare", "--input", "/nonexistent/in", "--out", "/tmp/x"], "/nonexistent/in"),
         (["generate", "/nonexistent/p", "--prompt", "x"], "/nonexistent/p"),
     ],
