@@ -25,3 +25,29 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
         progress=False,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def sharded_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny CoLA run trained by the real trainer at TP 2, so its checkpoints are sharded."""
+    from boostlr.config import build_config
+    from boostlr.train import loop
+
+    overrides = {
+        "model.preset": "tiny",
+        "model.arch": "cola",
+        "data.path": str(small_dataset),
+        "data.seq_len": 32,
+        "data.val_batches": 2,
+        "train.batch_size": 4,
+        "train.steps": 3,
+        "train.warmup": 2,
+        "train.eval_every": 3,
+        "train.ckpt_every": 3,
+        "parallel.tp": 2,
+        "parallel.tp_strategy": "btp",
+        "parallel.device": "cpu",
+    }
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    loop.train(build_config(overrides=list(overrides.items())), run, console=False)
+    return run

@@ -48,6 +48,7 @@ def tiny_args(data: Path, run: Path, steps: int = 2) -> list[str]:
         (["train", "--resume"], "--resume needs --run-dir"),
         (["train", "--data.path", "/nonexistent/ds"], "/nonexistent/ds"),
         (["export", "/nonexistent/ckpt", "--out", "/tmp/x"], "not a checkpoint"),
+        (["ckpt", "info", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
         (["prepare", "--input", "/nonexistent/in", "--out", "/tmp/x"], "/nonexistent/in"),
         (["generate", "/nonexistent/p", "--prompt", "x"], "/nonexistent/p"),
     ],
@@ -59,6 +60,18 @@ def test_bad_input_exits_2_with_one_line(
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("boostlr: error:") and message in lines[0]
+
+
+def test_prepare_of_blank_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n")
+    code, _, err = run_cli(
+        ["prepare", "--input", str(blank), "--out", str(tmp_path / "ds")], capsys
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "contains no text" in lines[0], err
+    assert str(blank) in lines[0] and "pass files with text" in lines[0]
+    assert not (tmp_path / "ds").exists()
 
 
 def test_split_overrides_keeps_paths_with_dots() -> None:

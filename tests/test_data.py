@@ -198,6 +198,31 @@ def test_prepare_splits_into_shards_deterministically(tmp_path: Path) -> None:
     assert np.array_equal(ds.tokens(990, 30), joined[990:1020])
 
 
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("newline.txt", "\n"),
+        ("blank.md", " \t\r\n  \n"),
+        ("empty.txt", ""),
+        ("blank.jsonl", '{"text": "\\n"}\n\n{"text": "   "}\n'),
+    ],
+)
+def test_prepare_without_text_is_an_error(tmp_path: Path, name: str, content: str) -> None:
+    """Whitespace-only input is refused (it used to become a 2-token dataset), nothing written."""
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(DataError, match=rf"{name} contains no text.*pass files with text"):
+        prepare_dataset([path], tmp_path / "out", "bpe:300", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_prepare_keeps_text_next_to_blank_files(tmp_path: Path) -> None:
+    corpus = _write_corpus(tmp_path / "corpus", n_docs=2)
+    (corpus / "blank.txt").write_text("\n")
+    manifest = prepare_dataset([corpus], tmp_path / "out", "bpe:300", progress=False)
+    assert manifest["documents"]["total"] == 3
+
+
 def test_prepare_refuses_existing_dataset_without_overwrite(dataset_dir: Path) -> None:
     with pytest.raises(DataError, match="--overwrite"):
         prepare_dataset([dataset_dir.parent / "corpus"], dataset_dir, "bpe:300", progress=False)

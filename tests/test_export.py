@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
 from boostlr.config import RunConfig, build_config, model_config_from_dict, to_dict
 from boostlr.data.tokenizer import eos_id, train_bpe
@@ -19,9 +22,21 @@ from boostlr.export import (
     hf_state_dict,
     load_pretrained,
 )
+from boostlr.fsutil import sha256_file
 from boostlr.generate import generate
 from boostlr.models.llama import LlamaModel, build_model
-from boostlr.train.checkpoint import CheckpointWriter, load_model_state, read_checkpoint
+from boostlr.train.checkpoint import (
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_FILE,
+    CheckpointWriter,
+    load_model_state,
+    open_checkpoint,
+    read_checkpoint,
+)
+
+# DCP warns whenever it saves or loads in one process, which is what these tests mean to do.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 VOCAB = 320
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
@@ -221,6 +236,160 @@ def test_export_refuses_foreign_dir_and_replaces_earlier_export(
         load_model_state(read_checkpoint(ckpt2))["embed_tokens.weight"],
     )
     assert sorted(p.name for p in out.parent.iterdir()) == ["export"]  # no temp dirs left
+
+
+def _in_memory_export(ckpt_dir: Path, path: Path) -> None:
+    """``model.safetensors`` as export wrote it before it streamed: all tensors, save_file."""
+    ckpt = open_checkpoint(ckpt_dir)
+    state = load_model_state(ckpt)
+    if ckpt.meta["config"]["model"].get("tie_embeddings"):
+        state.pop("lm_head.weight", None)
+    tensors = {k: v.contiguous() for k, v in hf_state_dict(state).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("cola", []), ("lax", [("model.lax_gate", "full"), ("model.tie_embeddings", "true")])],
+    ids=["cola", "lax-tied"],
+)
+def test_streamed_export_equals_the_in_memory_export(
+    tmp_path: Path, tokenizer_file: Path, arch: str, overrides: list[tuple[str, str]]
+) -> None:
+    cfg = _run_config(arch, *overrides)
+    ckpt = _checkpoint(tmp_path / "run", cfg, _model(cfg), tokenizer_file)
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    _in_memory_export(ckpt, tmp_path / "reference.safetensors")
+    assert (out / MODEL_FILE).read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_exports_like_the_in_memory_export(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    """A TP-2 checkpoint of the real trainer, consolidated tensor by tensor."""
+    ckpt = open_checkpoint(sharded_run)
+    assert ckpt.meta["sharded"] is True and (ckpt.path / ".metadata").is_file()
+    out = export_checkpoint(sharded_run, tmp_path / "export")
+    _in_memory_export(ckpt.path, tmp_path / "reference.safetensors")
+    assert (out / MODEL_FILE).read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    model, _ = load_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        t.numel() for t in load_model_state(ckpt).values()
+    )
+
+
+# --- export memory ---------------------------------------------------------------------------
+# A dense model of many equal-size tensors: 6 layers x (4 x 1 MiB attention + 3 x 2 MiB MLP)
+# plus 1 MiB embedding and head, about 62 MiB in all, the largest tensor 2 MiB. An export
+# that held the model would grow by at least the total; a streaming one by a few tensors.
+MEMORY_MODEL = [
+    ("model.dim", "512"),
+    ("model.n_layers", "6"),
+    ("model.n_heads", "8"),
+    ("model.n_kv_heads", "8"),
+    ("model.ffn_dim", "1024"),
+]
+
+
+def _write_checkpoint(
+    root: Path, cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer: Path, sharded: bool
+) -> Path:
+    """A checkpoint by the documented contract (files, then meta.json with sizes and sha256).
+
+    Written here rather than by the trainer so the sizes are exactly controlled: sharded as
+    a ``torch.distributed.checkpoint`` directory with ``model.<name>`` entries, or one
+    ``model.safetensors``.
+    """
+    path = root / "checkpoints" / "step_1"
+    path.mkdir(parents=True)
+    if sharded:
+        dcp.save({f"model.{k}": v for k, v in state.items()}, checkpoint_id=path, no_dist=True)
+    else:
+        save_file(state, path / MODEL_FILE)
+    (path / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    files = {
+        f.name: {"size": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(path.iterdir())
+    }
+    # Format 1 is the single-file layout of older boostlr; format 2 is DCP.
+    meta = {"format": FORMAT_VERSION if sharded else 1, "step": 1, "files": files}
+    meta |= {"config": {"model": to_dict(cfg)["model"]}, "layout": {"pp": 1, "dp": 1, "tp": 1}}
+    if sharded:
+        meta["sharded"] = True
+    (path / META_FILE).write_text(json.dumps(meta))
+    return path
+
+
+@pytest.fixture(scope="module")
+def memory_checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_file: Path
+) -> dict[str, Path | int]:
+    root = tmp_path_factory.mktemp("memory")
+    big = _run_config("full", *MEMORY_MODEL)
+    state = build_model(big.model, seed=0).state_dict()
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    tiny = _run_config("full")
+    tiny_state = build_model(tiny.model, seed=0).state_dict()
+    out: dict[str, Path | int] = {"total": sum(sizes), "largest": max(sizes)}
+    for kind in ("sharded", "safetensors"):
+        out[kind] = _write_checkpoint(root / kind, big, state, tokenizer_file, kind == "sharded")
+        out[f"{kind}_warmup"] = _write_checkpoint(
+            root / f"{kind}_warmup", tiny, tiny_state, tokenizer_file, kind == "sharded"
+        )
+    return out
+
+
+def _peak_growth(mode: str, warmup: Path, checkpoint: Path, out: Path) -> int:
+    script = Path(__file__).with_name("peak_rss.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(warmup), str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="measures memory through /proc")
+@pytest.mark.parametrize("kind", ["sharded", "safetensors"])
+def test_export_peak_memory_is_a_few_tensors_not_the_model(
+    memory_checkpoints: dict, tmp_path: Path, kind: str
+) -> None:
+    total, largest = memory_checkpoints["total"], memory_checkpoints["largest"]
+    assert total >= 30 * largest  # the model is far larger than any one tensor
+    growth = _peak_growth(
+        "streamed", memory_checkpoints[f"{kind}_warmup"], memory_checkpoints[kind], tmp_path
+    )
+    # The tensor being read and the reader's staging copies are a few times the largest
+    # tensor (measured: ~10 MiB from DCP, ~2 MiB from safetensors); holding the model would
+    # be at least the total, 31 times the largest.
+    mib = f"peak grew {growth / 2**20:.1f} MiB for a {total / 2**20:.0f} MiB model"
+    assert growth < total / 4, mib
+    exported = load_file(tmp_path / "export" / MODEL_FILE)
+    assert sum(t.numel() * t.element_size() for t in exported.values()) == total
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="measures memory through /proc")
+def test_peak_memory_measure_sees_torch_allocations(
+    memory_checkpoints: dict, tmp_path: Path
+) -> None:
+    """The same measure over the old gathering export shows the whole model: it is real."""
+    growth = _peak_growth(
+        "gathered",
+        memory_checkpoints["sharded_warmup"],
+        memory_checkpoints["sharded"],
+        tmp_path,
+    )
+    total = memory_checkpoints["total"]
+    assert growth >= 0.9 * total, f"grew {growth / 2**20:.1f} MiB of {total / 2**20:.0f} MiB"
 
 
 def test_load_pretrained_rejects_other_dirs(tmp_path: Path) -> None:

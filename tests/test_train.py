@@ -199,3 +199,19 @@ def test_resume_skips_a_corrupted_newest_checkpoint(
     assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
     assert open_checkpoint(run / "checkpoints" / "step_6").step == 6  # rewritten, valid again
     assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_after_a_half_written_metrics_row(small_dataset: Path, tmp_path: Path) -> None:
+    """A crash in the middle of a metrics write must not stop the resume."""
+    run = tmp_path / "run"
+    loop.train(tiny_run_config(small_dataset), run, console=False)
+    before = train_rows(run)
+    shutil.rmtree(run / "checkpoints" / "step_6")  # killed after step 5's row, mid step 6's
+    metrics = run / "metrics.jsonl"
+    rows = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= 5]
+    metrics.write_text("".join(f"{line}\n" for line in rows))
+    with open(metrics, "a", encoding="utf-8") as fh:
+        fh.write('{"step": 6, "loss": 4.')
+    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
+    assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]

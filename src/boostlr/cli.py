@@ -1,4 +1,4 @@
-"""``boostlr`` command line: prepare | train | export | generate | plan | calibrate.
+"""``boostlr`` command line: prepare | train | export | ckpt info | generate | plan | calibrate.
 
 Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
 a diverged run exits with code 1 after keeping its last good checkpoint.
@@ -60,6 +60,18 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint as HF-named safetensors + config.json")
     e.add_argument("checkpoint", help="runs/<run>/checkpoints/step_N or a run directory")
     e.add_argument("--out", required=True, metavar="DIR")
+
+    c = sub.add_parser("ckpt", help="inspect checkpoints")
+    ckpt_sub = c.add_subparsers(dest="ckpt_command", required=True)
+    ci = ckpt_sub.add_parser(
+        "info",
+        help="print a checkpoint's step, layout, model and files, and verify their sha256",
+        description="Print step, format, layout, model shape, parameter count and file sizes, "
+        "and verify every file's sha256 against meta.json. Exit 2 on a missing, truncated, "
+        "corrupt or foreign checkpoint.",
+    )
+    ci.add_argument("path", help="runs/<run>/checkpoints/step_N, or a run directory (newest)")
+    ci.add_argument("--json", action="store_true", help="print one JSON object instead")
 
     g = sub.add_parser("generate", help="sample text from a checkpoint or an export directory")
     g.add_argument("path", help="checkpoint, run directory or export directory")
@@ -139,6 +151,15 @@ def _cmd_export(args: argparse.Namespace) -> None:
 
     out = export_checkpoint(Path(args.checkpoint), Path(args.out))
     print(f"exported {args.checkpoint} -> {out}")
+
+
+def _cmd_ckpt(args: argparse.Namespace) -> None:
+    import json
+
+    from boostlr.train.ckpt_info import format_info, inspect_checkpoint
+
+    info = inspect_checkpoint(Path(args.path), progress=True)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -222,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_train(args, extra)
         elif args.command == "export":
             _cmd_export(args)
+        elif args.command == "ckpt":
+            _cmd_ckpt(args)
         elif args.command == "generate":
             _cmd_generate(args)
         elif args.command == "plan":

@@ -1,11 +1,13 @@
 """Export checkpoints as Hugging Face LLaMA directories, and load models back for inference.
 
 Our module names already match HF ``LlamaForCausalLM`` minus its ``model.`` prefix, so export
-is a pure renaming. An export directory holds ``model.safetensors`` (HF names),
-``config.json`` (an HF LLaMA config plus a ``"boostlr"`` section with our model config) and
-``tokenizer.json``. Only ``arch = "full"`` loads into ``transformers``; the low-rank archs
-keep HF naming for their factors (``q_proj.down.weight`` / ``q_proj.up.weight``) and are
-loaded back with :func:`load_pretrained`.
+is a pure renaming, done one tensor at a time: a sharded checkpoint is consolidated with the
+memory of its largest tensor, not of the model. An export directory holds
+``model.safetensors`` (HF names), ``config.json`` (an HF LLaMA config plus a ``"boostlr"``
+section with our model config) and ``tokenizer.json``. Only ``arch = "full"`` loads into
+``transformers``; the low-rank archs keep HF naming for their factors
+(``q_proj.down.weight`` / ``q_proj.up.weight``) and are loaded back with
+:func:`load_pretrained`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
@@ -25,7 +27,9 @@ from boostlr.data.tokenizer import eos_id, load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
 from boostlr.models.llama import LlamaModel, build_model
+from boostlr.stream_safetensors import write_safetensors
 from boostlr.train.checkpoint import META_FILE, MODEL_FILE, load_model_state, open_checkpoint
+from boostlr.train.ckpt_tensors import ModelTensors
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -33,9 +37,14 @@ LM_HEAD = "lm_head.weight"
 HF_PREFIX = "model."
 
 
+def hf_name(name: str) -> str:
+    """Our name -> HF LLaMA name: everything but ``lm_head.weight`` moves under ``model.``."""
+    return name if name == LM_HEAD else HF_PREFIX + name
+
+
 def hf_state_dict(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> HF LLaMA names: everything but ``lm_head.weight`` moves under ``model.``."""
-    return {(k if k == LM_HEAD else HF_PREFIX + k): v for k, v in model_state.items()}
+    """:func:`hf_name` applied to every key."""
+    return {hf_name(k): v for k, v in model_state.items()}
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -103,16 +112,20 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
             f"checkpoint {ckpt.path} has no {TOKENIZER_FILE}: export a checkpoint written by "
             "boostlr train"
         )
-    model_state = load_model_state(ckpt)
-    if cfg.tie_embeddings:
-        model_state.pop(LM_HEAD, None)  # HF ties lm_head to embed_tokens itself
-    tensors = {k: v.contiguous() for k, v in hf_state_dict(model_state).items()}
+    source = ModelTensors(ckpt.path, ckpt.meta)
+    # Our names by HF name; HF ties lm_head to embed_tokens itself.
+    names = {hf_name(k): k for k in source.infos if not (cfg.tie_embeddings and k == LM_HEAD)}
     config = hf_config(cfg, eos_token_id=eos_id(load_tokenizer(tokenizer_src)))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        save_file(tensors, tmp / MODEL_FILE, metadata={"format": "pt"})
+        write_safetensors(
+            tmp / MODEL_FILE,
+            {hf: source.infos[ours] for hf, ours in names.items()},
+            lambda hf: source.read(names[hf]),
+            metadata={"format": "pt"},
+        )
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
         replace_dir(tmp, out_dir)

@@ -66,9 +66,12 @@ def prepare_dataset(
     _check_out_dir(out, overwrite)
     documents, source = _document_source(inputs)
 
-    n_docs = sum(1 for _ in documents())
-    if n_docs == 0:
-        raise DataError(f"{source['description']} contains no text; add non-empty documents")
+    n_docs, n_text = _count_documents(documents())
+    if n_text == 0:  # whitespace alone would still tokenise into a dataset of a few tokens
+        raise DataError(
+            f"{source['description']} contains no text ({n_docs} documents, all empty or "
+            "whitespace): pass files with text to --input"
+        )
     val_docs = _val_indices(n_docs, val_fraction, seed)
 
     tok = resolve_tokenizer(tokenizer, documents)
@@ -107,6 +110,15 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _count_documents(documents: Iterable[str]) -> tuple[int, int]:
+    """``(documents, documents with non-whitespace text)``."""
+    n_docs = n_text = 0
+    for doc in documents:
+        n_docs += 1
+        n_text += bool(doc) and not doc.isspace()
+    return n_docs, n_text
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:

@@ -17,6 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from boostlr.errors import BoostlrError
 from boostlr.fsutil import write_text_atomic
 
 
@@ -36,15 +37,39 @@ class MetricsLog:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop rows logged after ``step`` (a resumed run re-does those steps), atomically."""
+    """Drop rows logged after ``step`` (a resumed run re-does those steps), atomically.
+
+    A crash in the middle of :meth:`MetricsLog.write` leaves a cut-off last line; that row
+    belongs to a step after the checkpoint anyway, so it is dropped like the other later rows.
+    An unreadable line before the last one is not a crash artefact and is reported.
+    """
     if not path.is_file():
         return
-    kept = [
-        line
-        for line in path.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    kept = []
+    for index, line in enumerate(lines[: last + 1]):
+        if not line.strip():
+            continue
+        row = _parse_row(line)
+        if row is None:
+            if index == last:
+                break  # half-written by a crash
+            raise BoostlrError(
+                f"{path}:{index + 1} is not a JSON object (a damaged metrics log): fix or "
+                "delete that line, then resume"
+            )
+        if row.get("step", 0) <= step:
+            kept.append(line)
     write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _parse_row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def _finite_or_str(row: dict[str, Any]) -> dict[str, Any]:
