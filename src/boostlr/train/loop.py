@@ -141,6 +141,15 @@ def _train_under_launcher(
 ) -> TrainResult:
     """Rank 0 checks the run directory (hashing each file once) and writes it; all follow."""
     init_distributed(device, cfg.parallel.world_size, cfg.parallel.timeout_s)
+    launcher_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if dist.get_rank() == 0 and cfg.parallel.max_restarts > launcher_restarts:
+        print(
+            f"boostlr: warning: parallel.max_restarts {cfg.parallel.max_restarts} applies to "
+            f"boostlr's own launcher; this launcher restarts {launcher_restarts} times "
+            "(torchrun: pass --max-restarts)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         restarted = restart_attempt() > 0
         ckpt_path = _on_rank0(
