@@ -1,4 +1,4 @@
-"""``boostlr`` command line: prepare | train | export | generate.
+"""``boostlr`` command line: prepare | train | export | generate | eval.
 
 Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
 a diverged run exits with code 1 after keeping its last good checkpoint.
@@ -69,6 +69,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
+
+    v = sub.add_parser(
+        "eval",
+        help="loss, perplexity and bits per byte of a checkpoint on a whole split",
+        description="Evaluate a checkpoint, run or export directory on its own dataset (or "
+        "--data.path). Also takes --data.seq_len, --train.batch_size, --train.dtype, "
+        "--parallel.device.",
+    )
+    v.add_argument("path", help="checkpoint, run directory or export directory")
+    v.add_argument("--split", choices=("val", "train"), default="val")
+    v.add_argument("--max-tokens", type=int, default=None, help="stop after N target tokens")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -139,6 +151,25 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     print(text)
 
 
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    import json
+
+    from boostlr.config import parse_overrides
+    from boostlr.evaluate import run_eval
+
+    result = run_eval(
+        Path(args.path), args.split, args.max_tokens, parse_overrides(overrides), not args.json
+    )
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(
+            f"{args.path} [{args.split}]: loss {result.loss:.4f}  ppl {result.ppl:.2f}  "
+            f"bits/byte {result.bits_per_byte:.4f}  ({result.tokens:,} tokens, "
+            f"{result.bytes:,} bytes)"
+        )
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull ``--section.key VALUE`` pairs out before argparse sees (and misreads) them."""
     rest: list[str] = []
@@ -157,12 +188,16 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, overrides
 
 
+# Subcommands that take --section.key VALUE pairs.
+_TAKES_OVERRIDES = ("train", "eval")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     rest, extra = split_overrides(argv)
     args = parser.parse_args(rest)
-    if extra and args.command != "train":
+    if extra and args.command not in _TAKES_OVERRIDES:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "prepare":
@@ -173,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_export(args)
         elif args.command == "generate":
             _cmd_generate(args)
+        elif args.command == "eval":
+            _cmd_eval(args, extra)
     except BoostlrError as exc:
         print(f"boostlr: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
