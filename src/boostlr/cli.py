@@ -1,4 +1,4 @@
-"""``boostlr`` command line: prepare | train | export | generate | eval.
+"""``boostlr`` command line: prepare | train | export | generate | eval | import-hf.
 
 Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
 a diverged run exits with code 1 after keeping its last good checkpoint.
@@ -81,6 +81,17 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--split", choices=("val", "train"), default="val")
     v.add_argument("--max-tokens", type=int, default=None, help="stop after N target tokens")
     v.add_argument("--json", action="store_true", help="print one JSON object")
+
+    h = sub.add_parser(
+        "import-hf",
+        help="turn a Hugging Face LLaMA directory into a run (full, or low-rank by SVD)",
+        description="Import config.json + *.safetensors + tokenizer.json as a boostlr run "
+        "directory with one checkpoint (step 0). Takes --model.arch full|svd|cola, "
+        "--model.rank R (or --model.rank_ratio), --model.mlp, and --data.* / --train.* / "
+        "--parallel.* for the training that continues it.",
+    )
+    h.add_argument("source", help="Hugging Face model directory")
+    h.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to write")
     return parser
 
 
@@ -170,6 +181,27 @@ def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
         )
 
 
+def _cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from boostlr.config import parse_overrides
+    from boostlr.import_hf import IMPORT_FILE, LINEARS, error_table, import_hf
+
+    result = import_hf(Path(args.source), Path(args.out), parse_overrides(overrides))
+    m = result.cfg.model
+    if result.errors:
+        table = Table(title=f"relative reconstruction error ||W - BA||_F / ||W||_F, rank {m.rank}")
+        for column in ("layer", *LINEARS):
+            table.add_column(column, justify="right")
+        for row in error_table(result.errors, m.n_layers):
+            table.add_row(*row)
+        Console().print(table)
+        worst = max(result.errors, key=result.errors.get)
+        print(f"max error {result.errors[worst]:.4f} ({worst}); all in {args.out}/{IMPORT_FILE}")
+    print(f"imported {args.source} as arch {m.arch} -> {result.run_dir} (checkpoints/step_0)")
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull ``--section.key VALUE`` pairs out before argparse sees (and misreads) them."""
     rest: list[str] = []
@@ -189,7 +221,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 # Subcommands that take --section.key VALUE pairs.
-_TAKES_OVERRIDES = ("train", "eval")
+_TAKES_OVERRIDES = ("train", "eval", "import-hf")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_generate(args)
         elif args.command == "eval":
             _cmd_eval(args, extra)
+        elif args.command == "import-hf":
+            _cmd_import_hf(args, extra)
     except BoostlrError as exc:
         print(f"boostlr: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
