@@ -1,4 +1,4 @@
-"""``boostlr`` command line: prepare | train | export | generate | eval | import-hf.
+"""``boostlr`` command line: prepare | train | export | generate | eval | import-hf | plot.
 
 Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
 a diverged run exits with code 1 after keeping its last good checkpoint.
@@ -92,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     h.add_argument("source", help="Hugging Face model directory")
     h.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to write")
+
+    pl = sub.add_parser("plot", help="curves of several runs on one figure (needs matplotlib)")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    pl.add_argument("--out", required=True, metavar="FILE.png", help="image to write")
+    pl.add_argument("--x", choices=("step", "tokens", "flops"), default="step")
+    pl.add_argument(
+        "--y", default="loss", help="a metrics.jsonl key: loss, val_loss, tokens_per_s, ..."
+    )
+    pl.add_argument("--smooth", type=float, default=0.6, help="EMA weight for --y loss, [0, 1)")
+    pl.add_argument("--title", default=None)
     return parser
 
 
@@ -202,6 +212,15 @@ def _cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> None:
     print(f"imported {args.source} as arch {m.arch} -> {result.run_dir} (checkpoints/step_0)")
 
 
+def _cmd_plot(args: argparse.Namespace) -> None:
+    from boostlr.plot import plot_runs
+
+    out = plot_runs(
+        [Path(r) for r in args.runs], Path(args.out), args.x, args.y, args.smooth, args.title
+    )
+    print(f"wrote {out}")
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull ``--section.key VALUE`` pairs out before argparse sees (and misreads) them."""
     rest: list[str] = []
@@ -244,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_eval(args, extra)
         elif args.command == "import-hf":
             _cmd_import_hf(args, extra)
+        elif args.command == "plot":
+            _cmd_plot(args)
     except BoostlrError as exc:
         print(f"boostlr: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
