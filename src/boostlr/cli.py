@@ -210,6 +210,11 @@ def _cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> None:
         worst = max(result.errors, key=result.errors.get)
         print(f"max error {result.errors[worst]:.4f} ({worst}); all in {args.out}/{IMPORT_FILE}")
     print(f"imported {args.source} as arch {m.arch} -> {result.run_dir} (checkpoints/step_0)")
+    if result.cfg.data.path is None:
+        print(
+            "to train it, import again with --data.path DIR (data prepared with boostlr prepare "
+            f"--tokenizer {Path(args.source) / 'tokenizer.json'}): --resume keeps data.path"
+        )
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:

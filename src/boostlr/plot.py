@@ -55,7 +55,12 @@ class Run:
         return xs, ys
 
     def keys(self) -> set[str]:
-        return {k for row in self.rows for k, v in row.items() if isinstance(v, (int, float))}
+        return {
+            k
+            for row in self.rows
+            for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
 
 
 def load_run(path: Path) -> Run:
