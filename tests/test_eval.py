@@ -123,7 +123,7 @@ def test_windows_cover_each_target_once() -> None:
 
 
 def test_cli_eval_json_and_errors(
-    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small_dataset: Path, text_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
     _tiny_run(small_dataset, run)
@@ -138,6 +138,7 @@ def test_cli_eval_json_and_errors(
         (["eval", str(tmp_path / "nope")], "not a checkpoint"),
         (["eval", str(run), "--model.dim", "32"], "does not take --model.dim"),
         (["eval", str(run), "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["eval", str(run), "--data.path", str(text_dataset)], "with another tokenizer"),
     ]:
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()

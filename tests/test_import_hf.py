@@ -162,3 +162,18 @@ def test_bad_imports_exit_2_with_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_data_with_another_tokenizer_is_refused(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from boostlr.data import prepare_dataset
+
+    text = tmp_path / "t.txt"
+    text.write_text("some other text to train another tokenizer on " * 50)
+    other = tmp_path / "other"
+    prepare_dataset([text], other, tokenizer="bpe:300", val_fraction=0.0, progress=False)
+    args = ["import-hf", str(hf_dir), "--out", str(tmp_path / "run"), "--data.path", str(other)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenized with another tokenizer" in err[0], err
