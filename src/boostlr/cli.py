@@ -1,4 +1,5 @@
-"""``boostlr`` command line: prepare | train | export | ckpt info | generate | plan | calibrate.
+"""``boostlr`` command line: prepare | train | export | ckpt info | generate | eval |
+import-hf | plot | plan | calibrate.
 
 Input problems (:class:`~boostlr.errors.BoostlrError`) print one line and exit with code 2;
 a diverged run exits with code 1 after keeping its last good checkpoint.
@@ -100,6 +101,38 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=None, help="profile file (default: <cache>/hardware/local.toml)"
     )
     c.add_argument("--threads", type=int, default=1, help="torch threads per process (ranks)")
+    v = sub.add_parser(
+        "eval",
+        help="loss, perplexity and bits per byte of a checkpoint on a whole split",
+        description="Evaluate a checkpoint, run or export directory on its own dataset (or "
+        "--data.path). Also takes --data.seq_len, --train.batch_size, --train.dtype, "
+        "--parallel.device.",
+    )
+    v.add_argument("path", help="checkpoint, run directory or export directory")
+    v.add_argument("--split", choices=("val", "train"), default="val")
+    v.add_argument("--max-tokens", type=int, default=None, help="stop after N target tokens")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+
+    h = sub.add_parser(
+        "import-hf",
+        help="turn a Hugging Face LLaMA directory into a run (full, or low-rank by SVD)",
+        description="Import config.json + *.safetensors + tokenizer.json as a boostlr run "
+        "directory with one checkpoint (step 0). Takes --model.arch full|svd|cola, "
+        "--model.rank R (or --model.rank_ratio), --model.mlp, and --data.* / --train.* / "
+        "--parallel.* for the training that continues it.",
+    )
+    h.add_argument("source", help="Hugging Face model directory")
+    h.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to write")
+
+    pl = sub.add_parser("plot", help="curves of several runs on one figure (needs matplotlib)")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    pl.add_argument("--out", required=True, metavar="FILE.png", help="image to write")
+    pl.add_argument("--x", choices=("step", "tokens", "flops"), default="step")
+    pl.add_argument(
+        "--y", default="loss", help="a metrics.jsonl key: loss, val_loss, tokens_per_s, ..."
+    )
+    pl.add_argument("--smooth", type=float, default=0.6, help="EMA weight for --y loss, [0, 1)")
+    pl.add_argument("--title", default=None)
     return parser
 
 
@@ -211,6 +244,60 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     print(profile.to_toml())
 
 
+def _cmd_eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    import json
+
+    from boostlr.config import parse_overrides
+    from boostlr.evaluate import run_eval
+
+    result = run_eval(
+        Path(args.path), args.split, args.max_tokens, parse_overrides(overrides), not args.json
+    )
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(
+            f"{args.path} [{args.split}]: loss {result.loss:.4f}  ppl {result.ppl:.2f}  "
+            f"bits/byte {result.bits_per_byte:.4f}  ({result.tokens:,} tokens, "
+            f"{result.bytes:,} bytes)"
+        )
+
+
+def _cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from boostlr.config import parse_overrides
+    from boostlr.import_hf import IMPORT_FILE, LINEARS, error_table, import_hf
+
+    result = import_hf(Path(args.source), Path(args.out), parse_overrides(overrides))
+    m = result.cfg.model
+    if result.errors:
+        table = Table(title=f"relative reconstruction error ||W - BA||_F / ||W||_F, rank {m.rank}")
+        for column in ("layer", *LINEARS):
+            table.add_column(column, justify="right")
+        for row in error_table(result.errors, m.n_layers):
+            table.add_row(*row)
+        Console().print(table)
+        worst = max(result.errors, key=result.errors.get)
+        print(f"max error {result.errors[worst]:.4f} ({worst}); all in {args.out}/{IMPORT_FILE}")
+    print(f"imported {args.source} as arch {m.arch} -> {result.run_dir} (checkpoints/step_0)")
+    if result.cfg.data.path is None:
+        print(
+            "to train it, import again with --data.path DIR (data prepared with boostlr prepare "
+            f"--tokenizer {Path(args.source) / 'tokenizer.json'}): --resume keeps data.path"
+        )
+
+
+def _cmd_plot(args: argparse.Namespace) -> None:
+    from boostlr.plot import plot_runs
+
+    out = plot_runs(
+        [Path(r) for r in args.runs], Path(args.out), args.x, args.y, args.smooth, args.title
+    )
+    print(f"wrote {out}")
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull ``--section.key VALUE`` pairs out before argparse sees (and misreads) them."""
     rest: list[str] = []
@@ -229,12 +316,16 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return rest, overrides
 
 
+# Subcommands that take --section.key VALUE pairs.
+_TAKES_OVERRIDES = ("train", "eval", "import-hf", "plan")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     rest, extra = split_overrides(argv)
     args = parser.parse_args(rest)
-    if extra and args.command not in ("train", "plan"):
+    if extra and args.command not in _TAKES_OVERRIDES:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "prepare":
@@ -251,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
             _cmd_plan(args, extra)
         elif args.command == "calibrate":
             _cmd_calibrate(args)
+        elif args.command == "eval":
+            _cmd_eval(args, extra)
+        elif args.command == "import-hf":
+            _cmd_import_hf(args, extra)
+        elif args.command == "plot":
+            _cmd_plot(args)
     except BoostlrError as exc:
         print(f"boostlr: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

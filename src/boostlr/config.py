@@ -153,6 +153,10 @@ class TrainConfig:
     # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
     # x dp. When set it derives grad_accum (it must divide evenly).
     global_batch: int = 0
+    # Copy every metrics row to TensorBoard event files in <run>/tb/ (needs tensorboard).
+    tensorboard: bool = False
+    # Copy every metrics row to this Weights & Biases project (needs wandb; WANDB_MODE works).
+    wandb: str | None = None
 
 
 @dataclass
@@ -451,6 +455,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {cfg.parallel.timeout_s}")
     if d.default_vocab < 260 or d.default_vocab > 2**32 - 1:
         raise ConfigError(f"data.default_vocab must be in [260, 2^32), got {d.default_vocab}")
+    from boostlr.train.sinks import require_packages
+
+    require_packages(t)
 
 
 def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:

@@ -56,6 +56,7 @@ from boostlr.train.optim import (
     set_lr,
 )
 from boostlr.train.resume import check_resume_config, pick_checkpoint
+from boostlr.train.sinks import open_sinks
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -378,7 +379,8 @@ def _run(state: RunState, console: bool) -> TrainResult:
         else nullcontext()
     )
     ledger = model.comms.ledger
-    metrics = MetricsLog(run_dir / METRICS_FILE) if state.rank == 0 else None
+    sinks = open_sinks(cfg, run_dir, start_step) if state.rank == 0 else []
+    metrics = MetricsLog(run_dir / METRICS_FILE, sinks) if state.rank == 0 else None
     progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
     if restart_attempt() > 0:
         if metrics is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +20,30 @@ from rich.progress import (
 
 from boostlr.errors import BoostlrError
 from boostlr.fsutil import write_text_atomic
+from boostlr.train.sinks import MetricsSink
 
 
 class MetricsLog:
-    """Append-only JSON lines, flushed per row so a crash loses nothing already logged."""
+    """Append-only JSON lines, flushed per row so a crash loses nothing already logged.
 
-    def __init__(self, path: Path):
+    ``sinks`` (TensorBoard, W&B) get a copy of every row after it is in the file.
+    """
+
+    def __init__(self, path: Path, sinks: Sequence[MetricsSink] = ()):
         self.path = path
+        self.sinks = list(sinks)
         self._fh = open(path, "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         self._fh.write(json.dumps(_finite_or_str(row)) + "\n")
         self._fh.flush()
+        for sink in self.sinks:
+            sink.write(row)
 
     def close(self) -> None:
         self._fh.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def truncate_after(path: Path, step: int) -> None:

@@ -1,0 +1,126 @@
+"""Optional copies of the metrics rows: TensorBoard event files and Weights & Biases.
+
+``metrics.jsonl`` stays the source of truth; a sink receives every row :class:`MetricsLog`
+writes (rank 0 only) and logs its numeric fields as scalars under the same names, at the
+row's ``step``. The packages are optional extras, imported only when asked for; a missing
+one is a one-line configuration error before the run starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from boostlr.errors import ConfigError
+
+if TYPE_CHECKING:
+    from boostlr.config import RunConfig, TrainConfig
+
+TB_DIR = "tb"
+WANDB_ID_FILE = "wandb_id"
+
+
+class MetricsSink(Protocol):
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The row's numbers (booleans and the step itself are not curves)."""
+    return {
+        key: float(value)
+        for key, value in row.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+def require_packages(train: TrainConfig) -> None:
+    """Fail before any work when a requested logger's package is not installed."""
+    needed = []
+    if train.tensorboard:
+        needed.append(("torch.utils.tensorboard", "train.tensorboard", "tensorboard", "tb"))
+    if train.wandb:
+        needed.append(("wandb", "train.wandb", "wandb", None))
+    for module, key, package, extra in needed:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            how = f"pip install {package}" + (f" (or boostlr[{extra}])" if extra else "")
+            raise ConfigError(
+                f"{key} needs the {package} package, which is not installed: {how}, or unset {key}"
+            ) from None
+
+
+class TensorBoardSink:
+    """Event files in ``<run>/tb/``; the resolved config as text."""
+
+    def __init__(self, log_dir: Path, config_toml: str, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run re-does the steps after its checkpoint: purge_step makes TensorBoard
+        # drop the earlier attempt's events from there on, as metrics.jsonl is truncated.
+        purge = start_step + 1 if start_step else None
+        self._writer = SummaryWriter(str(log_dir), purge_step=purge)
+        indented = "\n".join("    " + line for line in config_toml.splitlines())
+        self._writer.add_text("config", indented, global_step=start_step)
+        self._writer.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = row.get("step")
+        if not isinstance(step, int):
+            return
+        for key, value in scalars(row).items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """One W&B run per run directory (its id is kept in ``<run>/wandb_id`` for resumes).
+
+    ``WANDB_MODE=offline`` (or ``disabled``) is honoured by wandb itself.
+    """
+
+    def __init__(self, project: str, run_dir: Path, config: dict[str, Any]):
+        import wandb
+
+        id_file = run_dir / WANDB_ID_FILE
+        if id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = wandb.util.generate_id()
+            id_file.write_text(run_id + "\n")
+        self._run = wandb.init(
+            project=project,
+            id=run_id,
+            resume="allow",
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = row.get("step")
+        values = {k: v for k, v in scalars(row).items() if math.isfinite(v)}
+        if isinstance(step, int) and values:
+            self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def open_sinks(cfg: RunConfig, run_dir: Path, start_step: int) -> list[MetricsSink]:
+    """The sinks ``cfg.train`` asks for (call on rank 0 only)."""
+    from boostlr.config import dump_toml, to_dict
+
+    sinks: list[MetricsSink] = []
+    if cfg.train.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / TB_DIR, dump_toml(cfg), start_step))
+    if cfg.train.wandb:
+        sinks.append(WandbSink(cfg.train.wandb, run_dir, to_dict(cfg)))
+    return sinks
