@@ -89,9 +89,8 @@ def run_config(
             "train.dtype": args.dtype,
             "train.seed": args.seed,
             "data.seq_len": budget.seq_len,
-            # Validation reads val_batches x the per-rank batch_size windows: scale by dp so
-            # every layout evaluates the same windows.
-            "data.val_batches": budget.val_batches * dp,
+            # The trainer validates on val_batches x the global batch windows at every layout.
+            "data.val_batches": budget.val_batches,
             "parallel.pp": pp,
             "parallel.dp": dp,
             "parallel.tp": tp,

@@ -123,9 +123,13 @@ class ParallelModel:
     def evaluate(
         self, batches: list[tuple[Tensor, Tensor]], autocast: AbstractContextManager
     ) -> float:
-        """Mean loss over ``batches`` (the same on every rank)."""
+        """Mean loss per window over this rank's ``batches`` and those of the other dp ranks.
+
+        Every window has ``seq_len`` targets, so the mean over windows is the token mean;
+        the result is the same on every rank.
+        """
         self.train(False)
-        losses = []
+        total = torch.zeros(2, dtype=torch.float64)  # [sum of window losses, windows]
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with autocast:
@@ -133,9 +137,11 @@ class ParallelModel:
                     loss = evaluate_pipeline(self.stages, self.cfg, self.comms.pp, inputs, targets)
                 else:
                     loss = self.stages[0](inputs, targets)
-            losses.append(float(loss))
+            total += torch.tensor([float(loss) * len(inputs), len(inputs)], dtype=torch.float64)
         self.train(True)
-        return sum(losses) / len(losses)
+        if self.comms.dp.size > 1:
+            dist.all_reduce(total, group=self.comms.dp.group)
+        return float(total[0] / total[1])
 
     # ------------------------------------------------------------------ metrics
 

@@ -290,7 +290,11 @@ def _train_rank(
     loader = BatchLoader(
         train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, grad_accum=t.grad_accum
     )
-    val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches)
+    # The validation set is layout-free: the first val_batches x global batch windows of the
+    # split, in batch_size batches dealt round-robin to the data-parallel ranks.
+    per_global = t.grad_accum * dp.size
+    val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global)
+    val_data = val_data[dp.rank :: dp.size]
     # Optimizer on this rank's (DTensor) parameters; fused kernels are for plain tensors.
     optimizer = build_optimizer(model.parameters(), t, fused=model.comms.mesh is None)
     init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
