@@ -54,10 +54,14 @@ ADAMW_BYTES_PER_PARAM = 32  # fused AdamW: read p, g, m, v, write p, m, v (fp32)
 
 
 def planning_config(cfg: RunConfig) -> RunConfig:
-    """A copy with the vocabulary set (0 = take it from the preset, as the data would)."""
+    """``cfg`` with the vocabulary set (0 = take it from the preset, as the data would).
+
+    A copy only when the vocabulary is missing (the model is read, never written, here, and a
+    layout search calls this thousands of times)."""
+    if cfg.model.vocab_size >= 1:
+        return cfg
     out = copy.deepcopy(cfg)
-    if out.model.vocab_size < 1:
-        out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    out.model.vocab_size = PRESETS[out.model.preset].vocab_size
     return out
 
 

@@ -9,11 +9,12 @@ a proposal is always a config the trainer accepts. Impossible requests raise
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from boostlr.analysis.costmodel import Prediction, predict
+from boostlr.analysis.costmodel import Prediction, planning_config, predict
 from boostlr.analysis.hardware import HardwareProfile, as_dict
 from boostlr.config import PP_SCHEDULES, RunConfig, build_config, resolve_model, validate
 from boostlr.errors import ConfigError
@@ -100,6 +101,7 @@ def search(cfg: RunConfig, hw: HardwareProfile, gpus: int, top: int = 5) -> list
             f"--gpus {gpus} is not a multiple of the {gpn} GPUs per node of {hw.name}: "
             "tensor- and data-parallel groups would straddle a partial node; use a multiple"
         )
+    cfg = planning_config(cfg)  # the vocabulary once, not per candidate
     m, t = cfg.model, cfg.train
     global_batch = t.batch_size * t.grad_accum * cfg.parallel.dp
     archs = (m.arch,)
@@ -168,11 +170,21 @@ def _distinct(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def _copy(cfg: RunConfig) -> RunConfig:
+    """A copy of each section (every config field is a scalar: cheaper than a deepcopy)."""
+    return RunConfig(
+        model=dataclasses.replace(cfg.model),
+        data=dataclasses.replace(cfg.data),
+        train=dataclasses.replace(cfg.train),
+        parallel=dataclasses.replace(cfg.parallel),
+    )
+
+
 def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     """``cfg`` with the layout overrides, resolved and validated like the trainer's."""
     from boostlr.config import resolve_layout, set_value
 
-    out = copy.deepcopy(cfg)
+    out = _copy(cfg)
     for key, value in overrides.items():
         set_value(out, key, value)
     resolve_layout(out)
