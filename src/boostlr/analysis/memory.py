@@ -79,7 +79,7 @@ def rank_params(
 ) -> RankParams:
     """Elements of this rank's shards: TP chunk per the strategy, FSDP modules padded to dp."""
     key = (
-        tuple(sorted(dataclasses.asdict(cfg).items())),
+        tuple(vars(cfg).values()),  # every field a scalar; asdict() would dominate a search
         strategy,
         (p.tp, p.dp, p.pp, p.num_stages),
         pp_rank,
