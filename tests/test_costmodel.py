@@ -252,3 +252,70 @@ def test_profiles_load_and_user_profiles_win(
     assert load_profile("local") == replace(mine, extra={})
     code, out, _ = _plan(["--hardware", "local", "--json", "--model.preset", "7B"], capsys)
     assert code == 0 and not any(r["fits"] for r in json.loads(out)["rows"])  # 1 GB
+
+
+# --- boostlr plan --plot -------------------------------------------------------------------
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_plot_writes_a_png_without_allocating(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The three panels for a small config; the weak-scaling panel plans up to 30B."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    code, stdout, _ = _plan(
+        ["--hardware", "a100-40gb", "--model.preset", "small", "--plot", str(out)], capsys
+    )
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert code == 0 and f"wrote {out}" in stdout and "btp" in stdout
+    data = out.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 30_000  # three panels, not a blank page
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 2 * height > 600
+    assert grown < 1e9  # 30B fp32 weights alone would be 130 GB
+
+
+def test_plot_points_are_the_searchs_best_layouts() -> None:
+    """Each scaling point is ``--search``'s fastest layout for its line, on its GPU count,
+    with the curve's one global batch; weak-scaling points hold their sequences per GPU."""
+    from boostlr.analysis import plan
+    from boostlr.analysis.plot import plot_data, search_form
+
+    hw = load_profile("a100-40gb")
+    cfg = build_config(overrides=[("model.preset", "small"), ("train.batch_size", "4")])
+    data = plot_data(cfg, hw, gpu_counts=(1, 4, 16), weak=(("1B", 1), ("7B", 4)))
+    sc = data["scaling"]
+    assert sc["global_batch"] == 64  # 16 sequences rounded up to 16 GPUs x batch_size 4
+    for i, n in enumerate(sc["gpus"]):
+        points = {s: pts[i] for s, pts in sc["points"].items()}
+        assert all(p is not None for p in points.values()), (n, points)
+        for s, p in points.items():
+            assert p["layout"]["gpus"] == n and p["layout"]["global_batch"] == 64
+            assert p["strategy"] in (None, s)
+        base = search_form(cfg, n, 64)
+        best = plan.search(base, hw, n, top=1)[0].prediction.step_time
+        lowrank = min(points["vanilla"]["step_time_s"], points["btp"]["step_time_s"])
+        assert lowrank == pytest.approx(best)
+        dense = plan.search(plan._variant(base, "full", "auto", "none"), hw, n, top=1)[0]
+        assert points["megatron"]["step_time_s"] == pytest.approx(dense.prediction.step_time)
+    assert data["weak"]["sequences_per_gpu"] == 4
+    for row in data["weak"]["rows"]:
+        for s in ("megatron", "vanilla", "btp"):
+            lay = row[s]["layout"]
+            assert lay["gpus"] == row["gpus"] and lay["global_batch"] == 4 * row["gpus"]
+    assert [b["line"] for b in data["breakdown"]] == ["megatron", "vanilla", "btp"]
+
+
+def test_plot_without_matplotlib_exits_2(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "plan.png"
+    code, stdout, err = _plan(["--hardware", "a100-40gb", "--plot", str(out)], capsys)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert len(err.strip().splitlines()) == 1 and "pip install 'boostlr[plot]'" in err
