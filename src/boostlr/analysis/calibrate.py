@@ -6,7 +6,8 @@ chain of tiny ops run forward and backward under autograd: dispatch, autograd re
 the backward node, not the bare kernel), causal attention (forward + backward) as a fraction
 of the fitted GEMM roofline, and the all-reduce latency and bandwidth of gloo between two real
 processes on this machine. Each process uses ``threads`` torch threads, as one rank of a local
-gloo run does.
+gloo run does; with one thread the compute measurements are that thread's CPU time, so other
+jobs on a shared machine do not slow the profile down (the all-reduce is wall time).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,25 +34,30 @@ ATTENTION_SHAPES = ((4, 8, 128, 64), (2, 8, 256, 64), (1, 8, 512, 64))  # batch,
 AUTOGRAD_CHAIN = 64  # tiny ops per timed forward + backward
 
 
-def _time(fn, budget: float = 0.15, min_reps: int = 3) -> float:
-    """Median seconds of ``fn`` (after one warm-up) within about ``budget`` seconds."""
+Clock = Callable[[], float]
+
+
+def _time(fn, budget: float = 0.15, min_reps: int = 3, clock: Clock = time.perf_counter) -> float:
+    """Median seconds of ``fn`` by ``clock`` (after one warm-up) within ~``budget`` seconds."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < min_reps or time.perf_counter() - start < budget:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         if len(times) > 200:
             break
     return sorted(times)[len(times) // 2]
 
 
-def measure_gemms(dtype: torch.dtype, shapes) -> list[tuple[int, int, int, float]]:
+def measure_gemms(
+    dtype: torch.dtype, shapes, clock: Clock = time.perf_counter
+) -> list[tuple[int, int, int, float]]:
     out = []
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        out.append((m, k, n, _time(lambda a=a, b=b: a @ b)))
+        out.append((m, k, n, _time(lambda a=a, b=b: a @ b, clock=clock)))
     return out
 
 
@@ -58,7 +65,7 @@ def _shape(m: float, k: float, n: float, h: float) -> float:
     return (m / (m + h)) * (k / (k + h)) * (n / (n + h))
 
 
-def measure_autograd_op() -> float:
+def measure_autograd_op(clock: Clock = time.perf_counter) -> float:
     """Seconds per op of a training step's tiny ops: forward under autograd plus backward."""
     x = torch.ones(8, requires_grad=True)
 
@@ -68,10 +75,12 @@ def measure_autograd_op() -> float:
             y = y * 1.0001
         y.sum().backward()
 
-    return _time(chain, budget=0.2) / (2 * AUTOGRAD_CHAIN)
+    return _time(chain, budget=0.2, clock=clock) / (2 * AUTOGRAD_CHAIN)
 
 
-def measure_attention(shapes=ATTENTION_SHAPES) -> list[tuple[tuple[int, ...], float]]:
+def measure_attention(
+    shapes=ATTENTION_SHAPES, clock: Clock = time.perf_counter
+) -> list[tuple[tuple[int, ...], float]]:
     """Seconds of causal scaled-dot-product attention, forward + backward, by shape."""
     out = []
     for b, h, s, d in shapes:
@@ -81,7 +90,7 @@ def measure_attention(shapes=ATTENTION_SHAPES) -> list[tuple[tuple[int, ...], fl
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.sum().backward()
 
-        out.append(((b, h, s, d), _time(step, budget=0.2)))
+        out.append(((b, h, s, d), _time(step, budget=0.2, clock=clock)))
     return out
 
 
@@ -192,16 +201,20 @@ def fit_allreduce(samples: list[tuple[int, float]], launch: float) -> Link:
 def calibrate(out: Path | None = None, threads: int = 1) -> tuple[Path, HardwareProfile]:
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # One thread: its CPU time, which other processes on a shared machine do not inflate
+    # (what a rank gets on a quiet machine). More threads: wall time.
+    clock: Clock = time.thread_time if threads == 1 else time.perf_counter
     try:
         tiny = torch.ones(8)
-        bare = _time(lambda: torch.add(tiny, tiny), budget=0.1)
-        launch = measure_autograd_op()
+        bare = _time(lambda: torch.add(tiny, tiny), budget=0.1, clock=clock)
+        launch = measure_autograd_op(clock)
         big = torch.empty(32 * 2**20)  # 128 MB
         dst = torch.empty_like(big)
-        bandwidth = 2 * big.numel() * 4 / _time(lambda: dst.copy_(big), budget=0.5)
-        fp32 = measure_gemms(torch.float32, GEMM_SHAPES)
-        bf16 = measure_gemms(torch.bfloat16, [(1024, 1024, 1024), (2048, 2048, 2048)])
-        attention = measure_attention()
+        copy = _time(lambda: dst.copy_(big), budget=0.5, clock=clock)
+        bandwidth = 2 * big.numel() * 4 / copy
+        fp32 = measure_gemms(torch.float32, GEMM_SHAPES, clock)
+        bf16 = measure_gemms(torch.bfloat16, [(1024, 1024, 1024), (2048, 2048, 2048)], clock)
+        attention = measure_attention(clock=clock)
     finally:
         torch.set_num_threads(saved)
     peak, eff, half = fit_gemm(fp32, bandwidth, bare, 4)  # plain matmuls: the bare launch
