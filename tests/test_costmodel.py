@@ -23,6 +23,7 @@ from boostlr.analysis.costmodel import comm_metrics, predict, state_bytes
 from boostlr.analysis.hardware import load_profile
 from boostlr.cli import main
 from boostlr.config import build_config
+from boostlr.errors import ConfigError
 
 MEMORY_TOL = 0.10
 
@@ -247,8 +248,143 @@ def test_profiles_load_and_user_profiles_win(
     a100 = load_profile("a100-40gb")
     assert a100.gpus_per_node == 4 and a100.flops("bfloat16") == 312e12
     monkeypatch.setenv("BOOSTLR_HARDWARE", str(tmp_path))
-    mine = replace(a100, name="local", memory=1e9, gpus_per_node=2)
+    mine = replace(
+        a100, name="local", memory=1e9, gpus_per_node=2, device="cpu", attention_efficiency=0.3
+    )
     (tmp_path / "local.toml").write_text(mine.to_toml())
     assert load_profile("local") == replace(mine, extra={})
+    (tmp_path / "tpu.toml").write_text(mine.to_toml().replace('"cpu"', '"tpu"'))
+    with pytest.raises(ConfigError, match="device must be gpu or cpu"):
+        load_profile("tpu")
     code, out, _ = _plan(["--hardware", "local", "--json", "--model.preset", "7B"], capsys)
     assert code == 0 and not any(r["fits"] for r in json.loads(out)["rows"])  # 1 GB
+
+
+# --- boostlr plan --plot -------------------------------------------------------------------
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_plot_writes_a_png_without_allocating(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The three panels for a small config; the weak-scaling panel plans up to 30B."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    code, stdout, _ = _plan(
+        ["--hardware", "a100-40gb", "--model.preset", "small", "--plot", str(out)], capsys
+    )
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert code == 0 and f"wrote {out}" in stdout and "btp" in stdout
+    data = out.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 30_000  # three panels, not a blank page
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 2 * height > 600
+    assert grown < 1e9  # 30B fp32 weights alone would be 130 GB
+
+
+def test_plot_points_are_the_searchs_best_layouts() -> None:
+    """Each scaling point is ``--search``'s fastest layout for its line, on its GPU count,
+    with the curve's one global batch; weak-scaling points hold their sequences per GPU."""
+    from boostlr.analysis import plan
+    from boostlr.analysis.plot import plot_data, search_form
+
+    hw = load_profile("a100-40gb")
+    cfg = build_config(overrides=[("model.preset", "small"), ("train.batch_size", "4")])
+    data = plot_data(cfg, hw, gpu_counts=(1, 4, 16), weak=(("1B", 1), ("7B", 4)))
+    sc = data["scaling"]
+    assert sc["global_batch"] == 64  # 16 sequences rounded up to 16 GPUs x batch_size 4
+    for i, n in enumerate(sc["gpus"]):
+        points = {s: pts[i] for s, pts in sc["points"].items()}
+        assert all(p is not None for p in points.values()), (n, points)
+        for s, p in points.items():
+            assert p["layout"]["gpus"] == n and p["layout"]["global_batch"] == 64
+            assert p["strategy"] in (None, s)
+        base = search_form(cfg, n, 64)
+        best = plan.search(base, hw, n, top=1)[0].prediction.step_time
+        lowrank = min(points["vanilla"]["step_time_s"], points["btp"]["step_time_s"])
+        assert lowrank == pytest.approx(best)
+        dense = plan.search(plan._variant(base, "full", "auto", "none"), hw, n, top=1)[0]
+        assert points["megatron"]["step_time_s"] == pytest.approx(dense.prediction.step_time)
+    assert data["weak"]["sequences_per_gpu"] == 4
+    for row in data["weak"]["rows"]:
+        for s in ("megatron", "vanilla", "btp"):
+            lay = row[s]["layout"]
+            assert lay["gpus"] == row["gpus"] and lay["global_batch"] == 4 * row["gpus"]
+    assert [b["line"] for b in data["breakdown"]] == ["megatron", "vanilla", "btp"]
+
+
+def test_plot_without_matplotlib_exits_2(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "plan.png"
+    code, stdout, err = _plan(["--hardware", "a100-40gb", "--plot", str(out)], capsys)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert len(err.strip().splitlines()) == 1 and "pip install 'boostlr[plot]'" in err
+
+
+# --- the optimizer step, counted in torch's own implementation ----------------------------
+
+
+class _Traffic:
+    """Bytes each dispatched op reads (every tensor operand) and writes (mutated operands and
+    new results), over tensors of at least ``n`` elements (the parameter, not the scalars)."""
+
+    def __init__(self, n: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                schema = func._schema.arguments
+                bound = list(zip(schema, args, strict=False))
+                bound += [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
+                read = written = 0
+                operands: list[torch.Tensor] = []
+                for arg, value in bound:
+                    big = [t for t in tree_leaves(value) if torch.is_tensor(t) and t.numel() >= n]
+                    operands += big
+                    read += sum(t.numel() * t.element_size() for t in big)
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        written += sum(t.numel() * t.element_size() for t in big)
+                for t in tree_leaves(out):
+                    fresh = not any(t is u for u in operands)
+                    if torch.is_tensor(t) and t.numel() >= n and fresh:
+                        written += t.numel() * t.element_size()
+                if read or written:
+                    counter.ops.append(str(func))
+                    counter.bytes += read + written
+                return out
+
+        self.mode, self.ops, self.bytes = Mode(), [], 0
+
+
+def test_optimizer_passes_are_torchs() -> None:
+    """The cost model's clipping and unfused AdamW passes are what torch dispatches: the same
+    number of ops per parameter tensor and the same operand bytes per element."""
+    from boostlr.analysis.costmodel import CLIP_PASSES, UNFUSED_ADAMW_PASSES
+
+    n = 4096
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, foreach=False)  # torch on a CPU
+    opt.step()  # state exists: the step below is a steady-state one
+    traffic = _Traffic(n)
+    with traffic.mode:
+        opt.step()
+    assert len(traffic.ops) == len(UNFUSED_ADAMW_PASSES), traffic.ops
+    assert traffic.bytes == sum(UNFUSED_ADAMW_PASSES) * n
+    traffic = _Traffic(n)
+    with traffic.mode:  # what ParallelModel.clip_gradients runs on plain tensors
+        norm = torch.nn.utils.get_total_norm([p.grad], 2.0)
+        torch.nn.utils.clip_grads_with_norm_([p], 1.0, norm)
+    assert len(traffic.ops) == len(CLIP_PASSES), traffic.ops
+    assert traffic.bytes == sum(CLIP_PASSES) * n

@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--search", action="store_true", help="rank every valid layout of --gpus")
     pl.add_argument("--top", type=int, default=5, help="layouts to print with --search")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="also draw step-time breakdown, 1-256 GPU scaling and 1B-30B weak scaling "
+        "(needs matplotlib: the 'plot' extra)",
+    )
 
     c = sub.add_parser("calibrate", help="measure this machine and write the 'local' profile")
     c.add_argument(
@@ -219,6 +226,10 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from boostlr.analysis.hardware import load_profile
     from boostlr.config import parse_overrides
 
+    if args.plot:
+        from boostlr.analysis.plot import require_matplotlib
+
+        require_matplotlib()
     hw = load_profile(args.hardware)
     cfg = plan.load_config(args.config, parse_overrides(overrides), args.gpus, args.search)
     if args.search:
@@ -228,12 +239,17 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         else:
             preds = [c.prediction for c in cands]
             plan.print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
-        return
-    rows = plan.strategy_rows(cfg, hw)
-    if args.json:
-        print(json.dumps(plan.plan_json(rows, hw, cfg), indent=2))
     else:
-        plan.print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+        rows = plan.strategy_rows(cfg, hw)
+        if args.json:
+            print(json.dumps(plan.plan_json(rows, hw, cfg), indent=2))
+        else:
+            plan.print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+    if args.plot:
+        from boostlr.analysis.plot import draw, plot_data
+
+        draw(plot_data(cfg, hw, args.gpus if args.search else None), Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:

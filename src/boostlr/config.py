@@ -10,6 +10,7 @@ reproduced or resumed from it alone. Validation happens before any work: a bad v
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import types
@@ -230,7 +231,9 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 # ---------------------------------------------------------------------------- building
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations (cached: ``get_type_hints`` dominates a plan's layout search)."""
     return typing.get_type_hints(cls)
 
 

@@ -7,6 +7,9 @@ formulas the tests check against the ledger of real runs, so ``comm_metrics`` is
 * each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, with
   ``eff`` falling for small dims (``HardwareProfile.gemm_eff``, fitted from measurements);
 * element-wise work (norms, σ, RoPE, residual adds, the loss) from memory bandwidth;
+  attention kernels on the GEMM roofline times the profile's ``attention_efficiency``;
+* the optimizer step as the trainer runs it: gradient clipping, then fused AdamW in one
+  process or torch's unfused (8-pass) AdamW over DTensor shards (:func:`optimizer_time`);
 * alpha-beta collectives: ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
   reduce-scatter half of that, point-to-point ``α + n/B``, on the intra- or inter-node link
   the group spans (ranks are laid out tp-fastest, then dp, then pp);
@@ -42,6 +45,7 @@ from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import (
     BF16_CACHE,
     FP32,
+    RankParams,
     activation_bytes_per_block,
     in_flight,
     rank_params,
@@ -50,14 +54,34 @@ from boostlr.analysis.memory import (
 from boostlr.config import PRESETS, RunConfig
 
 ELEMENTWISE_KERNELS_PER_BLOCK = 40  # forward kernel launches besides GEMMs (estimate)
-ADAMW_BYTES_PER_PARAM = 32  # fused AdamW: read p, g, m, v, write p, m, v (fp32) + the norm
+# The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
+# foreach ops), then fused AdamW in one process, torch's unfused AdamW over DTensor shards
+# otherwise (foreach on a GPU, one tensor at a time on a CPU). fp32 bytes per parameter of
+# each op, every operand read and every result written once (tests/test_costmodel.py counts
+# them in torch's own implementation):
+FUSED_ADAMW_BYTES = 28  # one kernel: read p, g, m, v; write p, m, v
+UNFUSED_ADAMW_PASSES = (
+    8,  # p.mul_(1 - lr * wd)
+    12,  # m.lerp_(g, 1 - beta1)
+    8,  # v.mul_(beta2)
+    16,  # v.addcmul_(g, g, 1 - beta2)
+    8,  # d = v.sqrt()
+    8,  # d = d / sqrt(bias_correction2)
+    8,  # d.add_(eps)
+    16,  # p.addcdiv_(m, d, -step_size)
+)
+CLIP_PASSES = (4, 8)  # _foreach_norm (read g), then clip_grads_with_norm_'s _foreach_mul_
 
 
 def planning_config(cfg: RunConfig) -> RunConfig:
-    """A copy with the vocabulary set (0 = take it from the preset, as the data would)."""
+    """``cfg`` with the vocabulary set (0 = take it from the preset, as the data would).
+
+    A copy only when the vocabulary is missing (the model is read, never written, here, and a
+    layout search calls this thousands of times)."""
+    if cfg.model.vocab_size >= 1:
+        return cfg
     out = copy.deepcopy(cfg)
-    if out.model.vocab_size < 1:
-        out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    out.model.vocab_size = PRESETS[out.model.preset].vocab_size
     return out
 
 
@@ -126,7 +150,10 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
 
 def gemm_time(g: Gemm, hw: HardwareProfile, dtype: str, elem: int) -> float:
     """Roofline time of one (batched) GEMM plus its launch."""
-    compute = g.flops / (hw.flops(dtype) * hw.gemm_eff(g.m, g.k, g.n))
+    eff = hw.gemm_eff(g.m, g.k, g.n)
+    if g.kind == "attention":
+        eff *= hw.attention_efficiency
+    compute = g.flops / (hw.flops(dtype) * eff)
     memory = g.bytes(elem) / (hw.hbm_bandwidth * hw.memory_efficiency)
     return max(compute, memory) + hw.launch
 
@@ -229,6 +256,29 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
             out.tp_comm += collective_time("all_reduce", vol.total, vol.calls, p.tp, p.tp, hw)
     return out
+
+
+def optimizer_time(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> float:
+    """Gradient clipping and the AdamW step on one rank's shard, as the trainer runs them.
+
+    Memory-bound passes over the fp32 shard; the trainer fuses AdamW only in one process.
+    Unfused, each pass is one dispatch per parameter tensor on a CPU (torch's AdamW defaults
+    to foreach only on GPUs) and one multi-tensor dispatch on a GPU. The clipping norm is
+    all-reduced (a scalar) over every mesh dim of size > 1.
+    """
+    p = cfg.parallel
+    shard = params.sharded if p.dp > 1 else params.local
+    clip = CLIP_PASSES if cfg.train.grad_clip > 0 else CLIP_PASSES[:1]  # the norm is logged
+    step = memory_time(sum(clip) * shard, hw, len(clip))
+    if p.world_size == 1:
+        step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
+    else:
+        per_tensor = params.tensors if hw.device == "cpu" else 1
+        passes = UNFUSED_ADAMW_PASSES
+        step += memory_time(sum(passes) * shard, hw, len(passes) * per_tensor)
+    for size, span in ((p.tp, p.tp), (p.dp, p.tp * p.dp), (p.pp, p.world_size)):
+        step += collective_time("all_reduce", FP32, 1, size, span, hw)
+    return step
 
 
 # ----------------------------------------------------------------------------- memory
@@ -387,8 +437,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             exposed = max(0.0, t_dp - compute_only) + t_dp / modules
             if exposed > dp_exposed:
                 dp_exposed, dp_total = exposed, t_dp
-    shard = max(params[r].sharded if p.dp > 1 else params[r].local for r in ranks)
-    optimizer = memory_time(ADAMW_BYTES_PER_PARAM * shard, hw, 4)
+    optimizer = max(optimizer_time(cfg, hw, params[r]) for r in ranks)
     compute = compute_only + optimizer
     comm = tp_comm + pp_comm + dp_exposed
     step = busy + bubble + pp_comm + dp_exposed + optimizer

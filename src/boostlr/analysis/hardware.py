@@ -51,13 +51,19 @@ class HardwareProfile:
     gemm_efficiency: float
     gemm_half_dim: float
     memory_efficiency: float  # achieved fraction of hbm_bandwidth for element-wise kernels
-    launch: float  # seconds of fixed cost per kernel (launch / dispatch)
+    launch: float  # seconds of fixed cost per kernel (launch + framework/autograd dispatch)
     intra: Link
     inter: Link
     reserved: float = 0.0  # bytes per device not available to tensors (context, workspace)
     # Intra-node links all-to-all (each GPU's bandwidth split over its peers, as NVLink
     # without a switch: a group of g uses (g-1)/(gpus_per_node-1) of it) or switched.
     intra_mesh: bool = False
+    # Fraction of the GEMM roofline the attention kernels reach (flash attention on a GPU is
+    # close to GEMM speed; a CPU's is not): measured by ``boostlr calibrate``.
+    attention_efficiency: float = 1.0
+    # "gpu" or "cpu": torch's AdamW runs multi-tensor (foreach) kernels on a GPU, one tensor
+    # at a time on a CPU, which changes how many ops a distributed optimizer step dispatches.
+    device: str = "gpu"
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +88,7 @@ class HardwareProfile:
             "name": self.name,
             "description": self.description,
             "source": self.source,
+            "device": self.device,
             "memory_gb": self.memory / GB,
             "reserved_gb": self.reserved / GB,
             "gpus_per_node": self.gpus_per_node,
@@ -91,6 +98,7 @@ class HardwareProfile:
                 "gemm_efficiency": self.gemm_efficiency,
                 "gemm_half_dim": self.gemm_half_dim,
                 "memory_efficiency": self.memory_efficiency,
+                "attention_efficiency": self.attention_efficiency,
                 "launch_us": self.launch * 1e6,
             },
             "intra_node": {
@@ -143,10 +151,18 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
                 float(_req(inter, "latency_us", where)) * 1e-6,
             ),
             intra_mesh=_topology(intra.get("topology", "switch"), where),
+            attention_efficiency=float(compute.get("attention_efficiency", 1.0)),
+            device=_device(data.get("device", "gpu"), where),
             extra=dict(data.get("measurements", {})),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"hardware profile {where}: bad value ({exc})") from None
+
+
+def _device(value: str, where: str) -> str:
+    if value not in ("gpu", "cpu"):
+        raise ConfigError(f"hardware profile {where}: device must be gpu or cpu")
+    return value
 
 
 def _topology(value: str, where: str) -> bool:

@@ -54,6 +54,7 @@ class RankParams:
     local: int  # elements after tensor-parallel sharding
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
+    tensors: int = 0  # parameter tensors (the optimizer's per-tensor ops on a CPU)
 
     @property
     def sharded(self) -> int:
@@ -79,7 +80,7 @@ def rank_params(
 ) -> RankParams:
     """Elements of this rank's shards: TP chunk per the strategy, FSDP modules padded to dp."""
     key = (
-        tuple(sorted(dataclasses.asdict(cfg).items())),
+        tuple(vars(cfg).values()),  # every field a scalar; asdict() would dominate a search
         strategy,
         (p.tp, p.dp, p.pp, p.num_stages),
         pp_rank,
@@ -99,7 +100,7 @@ def _rank_params(
     tp, dp = p.tp, p.dp
     local = 0
     modules: list[int] = []
-    largest = 0
+    largest = tensors = 0
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks = {i: 0 for i in layers}
@@ -123,6 +124,7 @@ def _rank_params(
             n = math.prod(dims)
             padded = -(-dims[0] // dp) * math.prod(dims[1:])
             local += n
+            tensors += 1
             if layer is None:
                 root += padded
                 root_local += n
@@ -131,7 +133,7 @@ def _rank_params(
                 block_local[layer] += n
         modules += [*blocks.values(), root]
         largest = max([largest, root_local, *block_local.values()])
-    return RankParams(local, tuple(modules), largest)
+    return RankParams(local, tuple(modules), largest, tensors)
 
 
 def activation_bytes_per_block(

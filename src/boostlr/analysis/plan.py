@@ -9,11 +9,12 @@ a proposal is always a config the trainer accepts. Impossible requests raise
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from boostlr.analysis.costmodel import Prediction, predict
+from boostlr.analysis.costmodel import Prediction, planning_config, predict
 from boostlr.analysis.hardware import HardwareProfile, as_dict
 from boostlr.config import PP_SCHEDULES, RunConfig, build_config, resolve_model, validate
 from boostlr.errors import ConfigError
@@ -92,6 +93,20 @@ def search(cfg: RunConfig, hw: HardwareProfile, gpus: int, top: int = 5) -> list
     The global batch (sequences per optimizer step) and ``train.batch_size`` stay fixed;
     ``grad_accum`` follows from dp. TP stays inside a node.
     """
+    found, tried = candidates(cfg, hw, gpus)
+    if not found:
+        m = cfg.model
+        what = f"{m.preset} {m.arch}" + (f" (d {m.dim}, {m.n_layers} layers)" if m.dim else "")
+        raise ConfigError(
+            f"{what} does not fit any of the {tried} valid layouts of {gpus} x {hw.name} "
+            f"({hw.memory / 1e9:.0f} GB each): use more GPUs, a smaller train.batch_size or "
+            "data.seq_len, or a larger-memory profile"
+        )
+    return _distinct(found)[:top]
+
+
+def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Candidate], int]:
+    """(the layouts that fit, fastest first; how many valid layouts were tried)."""
     gpn = hw.gpus_per_node
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
@@ -100,12 +115,11 @@ def search(cfg: RunConfig, hw: HardwareProfile, gpus: int, top: int = 5) -> list
             f"--gpus {gpus} is not a multiple of the {gpn} GPUs per node of {hw.name}: "
             "tensor- and data-parallel groups would straddle a partial node; use a multiple"
         )
+    cfg = planning_config(cfg)  # the vocabulary once, not per candidate
     m, t = cfg.model, cfg.train
     global_batch = t.batch_size * t.grad_accum * cfg.parallel.dp
-    archs = (m.arch,)
     tried = 0
     found: list[Candidate] = []
-    biggest = 0.0
     for tp in (k for k in _divisors(gpus) if k <= gpn):
         for pp in (k for k in _divisors(gpus // tp) if k <= m.n_layers):
             dp = gpus // (tp * pp)
@@ -114,8 +128,8 @@ def search(cfg: RunConfig, hw: HardwareProfile, gpus: int, top: int = 5) -> list
             accum = global_batch // (t.batch_size * dp)
             micro = [0] if pp == 1 else sorted({k for k in _divisors(t.batch_size) if k >= pp})
             schedules = ["1f1b"] if pp == 1 else list(PP_SCHEDULES)
-            for arch, mb, schedule in itertools.product(archs, micro, schedules):
-                if arch == "full":
+            for mb, schedule in itertools.product(micro, schedules):
+                if m.arch == "full":
                     strategies = ["megatron"] if tp > 1 else ["auto"]
                 else:
                     strategies = ["vanilla", "btp"] if tp > 1 else ["auto"]
@@ -141,18 +155,10 @@ def search(cfg: RunConfig, hw: HardwareProfile, gpus: int, top: int = 5) -> list
                             continue
                         tried += 1
                         pred = predict(cand, hw)
-                        biggest = max(biggest, pred.memory_total)
                         if pred.fits:
                             found.append(Candidate(over, pred))
-    if not found:
-        what = f"{m.preset} {m.arch}" + (f" (d {m.dim}, {m.n_layers} layers)" if m.dim else "")
-        raise ConfigError(
-            f"{what} does not fit any of the {tried} valid layouts of {gpus} x {hw.name} "
-            f"({hw.memory / 1e9:.0f} GB each): use more GPUs, a smaller train.batch_size or "
-            "data.seq_len, or a larger-memory profile"
-        )
     found.sort(key=lambda c: c.prediction.step_time)
-    return _distinct(found)[:top]
+    return found, tried
 
 
 def _distinct(cands: list[Candidate]) -> list[Candidate]:
@@ -168,11 +174,21 @@ def _distinct(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def _copy(cfg: RunConfig) -> RunConfig:
+    """A copy of each section (every config field is a scalar: cheaper than a deepcopy)."""
+    return RunConfig(
+        model=dataclasses.replace(cfg.model),
+        data=dataclasses.replace(cfg.data),
+        train=dataclasses.replace(cfg.train),
+        parallel=dataclasses.replace(cfg.parallel),
+    )
+
+
 def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     """``cfg`` with the layout overrides, resolved and validated like the trainer's."""
     from boostlr.config import resolve_layout, set_value
 
-    out = copy.deepcopy(cfg)
+    out = _copy(cfg)
     for key, value in overrides.items():
         set_value(out, key, value)
     resolve_layout(out)

@@ -1,0 +1,302 @@
+"""``boostlr plan --plot``: the cost model's three views of a config, as one PNG.
+
+(a) **Step-time breakdown** per strategy (dense ``full`` + ``megatron``, the config's low-rank
+    arch under ``vanilla`` and ``btp``): compute, exposed communication and pipeline bubble, at
+    the config's layout (with ``--search``: at the fastest fitting layout of ``--gpus`` for
+    each strategy).
+(b) **Strong scaling** from 1 to 256 GPUs (powers of two): tokens/s at the fastest fitting
+    layout per GPU count, found by the same enumeration as ``--search``. The global batch is
+    fixed for the whole curve at the config's, rounded up to a multiple of
+    ``256 x train.batch_size`` so that every GPU count, up to pure data parallelism on 256,
+    has layouts to choose from.
+(c) **Weak scaling** across the presets 1B -> 30B on a GPU count that doubles with each
+    preset, as in the BOOST paper's setups (1B on 1, 3B on 2, 7B on 4, 13B on 8, 30B on 16:
+    about one GPU per 1.5-2B parameters), with the sequences per GPU per step fixed at the
+    config's (its global batch over its GPUs, rounded up to a multiple of ``batch_size``);
+    step time at the fastest fitting layout.
+
+Each strategy line picks its own best layout; TP 1 (the plain model, no TP strategy) counts
+for every line, so the vanilla and btp lines meet where TP does not pay. Everything is
+arithmetic on shapes (meta device), like the rest of ``plan``; the whole figure is a few
+dozen layout searches (about 10 s on one CPU core), so the search space is ``--search``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from boostlr.analysis.costmodel import Prediction
+from boostlr.analysis.hardware import HardwareProfile
+from boostlr.analysis.plan import (
+    SEARCH_OVERRIDES,
+    Candidate,
+    _apply,
+    _variant,
+    candidates,
+    strategy_rows,
+)
+from boostlr.config import RunConfig, resolve_model
+from boostlr.errors import BoostlrError, ConfigError
+
+SCALING_GPUS = tuple(2**i for i in range(9))  # 1 .. 256
+WEAK_SCALING = (("1B", 1), ("3B", 2), ("7B", 4), ("13B", 8), ("30B", 16))
+COLORS = {"megatron": "#7f7f7f", "vanilla": "#d62728", "btp": "#1f77b4"}
+STYLES = {"megatron": "^-", "vanilla": "s--", "btp": "o-"}  # vanilla dashed: it meets btp
+
+
+def require_matplotlib() -> None:
+    """Fail before any work when the ``plot`` extra is missing (exit code 2)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BoostlrError(
+            "--plot needs matplotlib: pip install 'boostlr[plot]' (or pip install matplotlib)"
+        ) from None
+
+
+def families(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(arch, strategy) of the three lines: dense megatron, low-rank vanilla and btp."""
+    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
+    return [("full", "megatron"), (lowrank, "vanilla"), (lowrank, "btp")]
+
+
+def _label(arch: str, strategy: str) -> str:
+    return f"{arch} + {strategy}"
+
+
+def search_form(cfg: RunConfig, gpus: int, global_batch: int) -> RunConfig:
+    """``cfg`` as ``--search --gpus`` builds it (layout reset), with a fixed global batch."""
+    over = dict(SEARCH_OVERRIDES)
+    over["parallel.nproc"] = str(gpus)
+    over["train.global_batch"] = str(global_batch)
+    return _apply(cfg, over)
+
+
+def best_layouts(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> dict[str, Candidate | None]:
+    """The fastest fitting layout of ``gpus`` GPUs per strategy line (None: nothing fits).
+
+    ``cfg`` is in search form; one enumeration per arch serves both low-rank lines.
+    """
+    out: dict[str, Candidate | None] = {}
+    by_arch: dict[str, list[Candidate]] = {}
+    for arch, strategy in families(cfg):
+        if arch not in by_arch:
+            base = _variant(cfg, arch, "auto", "none") if arch != cfg.model.arch else cfg
+            by_arch[arch] = candidates(base, hw, gpus)[0]
+        allowed = (None, strategy)
+        out[strategy] = next((c for c in by_arch[arch] if c.prediction.strategy in allowed), None)
+    return out
+
+
+def _with_preset(cfg: RunConfig, preset: str) -> RunConfig:
+    """``cfg`` with another preset's shape (rank from ``rank_ratio``, the preset's vocab)."""
+    model = dataclasses.replace(
+        cfg.model,
+        preset=preset,
+        dim=None,
+        n_layers=None,
+        n_heads=None,
+        n_kv_heads=None,
+        ffn_dim=None,
+        rank=None,
+        vocab_size=0,
+    )
+    resolve_model(model)
+    return dataclasses.replace(cfg, model=model)
+
+
+def _point(c: Candidate | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    p = c.prediction
+    lay = p.layout
+    return {
+        "step_time_s": p.step_time,
+        "tokens_per_s": lay["global_batch"] * lay["seq_len"] / p.step_time,
+        "strategy": p.strategy,
+        "layout": lay,
+        "overrides": c.overrides,
+    }
+
+
+def _breakdown(p: Prediction) -> dict[str, Any]:
+    return {
+        "arch": p.arch,
+        "strategy": p.strategy,
+        "compute_s": p.compute,
+        "comm_s": p.comm,
+        "bubble_s": p.bubble,
+        "step_time_s": p.step_time,
+        "fits": p.fits,
+        "layout": p.layout,
+    }
+
+
+def plot_data(
+    cfg: RunConfig,
+    hw: HardwareProfile,
+    search_gpus: int | None = None,
+    gpu_counts: Iterable[int] = SCALING_GPUS,
+    weak: Iterable[tuple[str, int]] = WEAK_SCALING,
+) -> dict[str, Any]:
+    """Every number the figure shows (JSON-friendly). ``cfg`` is the config ``plan`` built:
+    at its own layout, or in search form when ``search_gpus`` is given."""
+    fams = families(cfg)
+    if search_gpus:
+        best = best_layouts(cfg, hw, search_gpus)
+        breakdown = []
+        for arch, strategy in fams:
+            c = best[strategy]
+            row = _breakdown(c.prediction) if c else {"arch": arch, "strategy": strategy}
+            breakdown.append({**row, "line": strategy})
+    else:
+        rows = strategy_rows(cfg, hw)
+        breakdown = [{**_breakdown(p), "line": s} for p, (_, s) in zip(rows, fams, strict=True)]
+
+    t, p = cfg.train, cfg.parallel
+    config_batch = t.batch_size * t.grad_accum * p.dp
+    counts = list(gpu_counts)
+    quantum = max(counts) * t.batch_size
+    global_batch = math.ceil(config_batch / quantum) * quantum
+    per_gpu = math.ceil(config_batch / p.world_size / t.batch_size) * t.batch_size
+    scaling: dict[str, list[dict[str, Any] | None]] = {s: [] for _, s in fams}
+    for n in counts:
+        try:
+            best = best_layouts(search_form(cfg, n, global_batch), hw, n)
+        except ConfigError:  # e.g. n not a multiple of the profile's GPUs per node
+            best = {}
+        for _, s in fams:
+            scaling[s].append(_point(best.get(s)))
+
+    weak_rows = []
+    for preset, n in weak:
+        try:
+            best = best_layouts(search_form(_with_preset(cfg, preset), n, per_gpu * n), hw, n)
+        except ConfigError:
+            best = {}
+        weak_rows.append({"preset": preset, "gpus": n, **{s: _point(best.get(s)) for _, s in fams}})
+
+    m = cfg.model
+    return {
+        "title": f"{m.preset} {m.arch} (d {m.dim}, {m.n_layers} layers, seq "
+        f"{cfg.data.seq_len}, {t.dtype}) on {hw.name}",
+        "lines": [{"arch": a, "strategy": s, "label": _label(a, s)} for a, s in fams],
+        "breakdown": breakdown,
+        "scaling": {"gpus": counts, "global_batch": global_batch, "points": scaling},
+        "weak": {"sequences_per_gpu": per_gpu, "rows": weak_rows},
+    }
+
+
+def _short(lay: dict[str, Any]) -> str:
+    out = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}"
+    return out if lay["act_ckpt"] == "none" else f"{out} {lay['act_ckpt']}"
+
+
+def draw(data: dict[str, Any], path: Path) -> None:
+    """Write the three panels to ``path`` (any format matplotlib knows from the suffix)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(18, 6), layout="constrained")
+    ax_a, ax_b, ax_c = fig.subplots(1, 3)
+    fig.suptitle(data["title"])
+    lines = data["lines"]
+
+    # (a) stacked bars
+    names = [
+        f"{line['label']}\n{_layout_text(r)}"
+        for line, r in zip(lines, data["breakdown"], strict=True)
+    ]
+    x = range(len(names))
+    bottom = [0.0] * len(names)
+    for key, label, color in (
+        ("compute_s", "compute", "#4c72b0"),
+        ("comm_s", "exposed comm", "#dd8452"),
+        ("bubble_s", "pipeline bubble", "#8c8c8c"),
+    ):
+        vals = [r.get(key, 0.0) for r in data["breakdown"]]
+        ax_a.bar(x, vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for i, r in enumerate(data["breakdown"]):
+        text = "no fitting layout" if "step_time_s" not in r else f"{r['step_time_s']:.3g} s"
+        if r.get("fits") is False:
+            text += "\n(does not fit)"
+        ax_a.annotate(text, (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+    ax_a.set_xticks(list(x), names, fontsize=8)
+    ax_a.set_ylabel("seconds per optimizer step")
+    ax_a.set_title("(a) step time by strategy")
+    ax_a.legend(fontsize=8)
+    ax_a.set_ylim(0, 1.15 * max(bottom) if max(bottom) > 0 else 1)
+
+    # (b) strong scaling
+    sc = data["scaling"]
+    gpus = sc["gpus"]
+    for line in lines:
+        pts = sc["points"][line["strategy"]]
+        ys = [p["tokens_per_s"] if p else math.nan for p in pts]
+        s = line["strategy"]
+        ax_b.plot(gpus, ys, STYLES[s], label=line["label"], color=COLORS[s], alpha=0.85)
+        if line["strategy"] == "btp":
+            for n, p in zip(gpus, pts, strict=True):
+                if p:
+                    ax_b.annotate(
+                        _short(p["layout"]),
+                        (n, p["tokens_per_s"]),
+                        fontsize=6,
+                        rotation=30,
+                        xytext=(3, -10),
+                        textcoords="offset points",
+                    )
+    # Linear scaling from the fastest line at the smallest GPU count anything fits on.
+    for i, n0 in enumerate(gpus):
+        fitted = [p["tokens_per_s"] for pts in sc["points"].values() if (p := pts[i])]
+        if fitted:
+            y0 = max(fitted)
+            ideal = [y0 * n / n0 for n in gpus[i:]]
+            ax_b.plot(gpus[i:], ideal, ":", color="black", lw=1, label="linear")
+            break
+    ax_b.set_xscale("log", base=2)
+    ax_b.set_yscale("log")
+    ax_b.set_xlabel("GPUs")
+    ax_b.set_ylabel("tokens / s")
+    ax_b.set_title(
+        f"(b) strong scaling, best layout per GPU count\n"
+        f"global batch {sc['global_batch']} sequences"
+    )
+    ax_b.legend(fontsize=8)
+    ax_b.grid(True, which="both", alpha=0.3)
+
+    # (c) weak scaling
+    wk = data["weak"]
+    rows = wk["rows"]
+    width = 0.8 / len(lines)
+    for j, line in enumerate(lines):
+        s = line["strategy"]
+        xs = [i + (j - (len(lines) - 1) / 2) * width for i in range(len(rows))]
+        ys = [r[s]["step_time_s"] if r[s] else 0.0 for r in rows]
+        ax_c.bar(xs, ys, width, label=line["label"], color=COLORS[s])
+        for xi, r in zip(xs, rows, strict=True):
+            text = _short(r[s]["layout"]) if r[s] else "no fit"
+            y = r[s]["step_time_s"] if r[s] else 0.0
+            ax_c.annotate(text, (xi, y), ha="center", va="bottom", fontsize=6, rotation=90)
+    ax_c.set_xticks(
+        range(len(rows)), [f"{r['preset']}\n{r['gpus']} GPU{'s' * (r['gpus'] > 1)}" for r in rows]
+    )
+    ax_c.set_ylabel("seconds per optimizer step")
+    ax_c.set_title(
+        f"(c) weak scaling, GPUs double per preset\n"
+        f"{wk['sequences_per_gpu']} sequences per GPU per step"
+    )
+    ax_c.legend(fontsize=8)
+    ax_c.margins(y=0.25)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise BoostlrError(f"--plot: cannot write {path}: {exc}") from None
+
+
+def _layout_text(r: dict[str, Any]) -> str:
+    return _short(r["layout"]) if "layout" in r else ""
