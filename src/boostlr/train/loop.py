@@ -55,11 +55,13 @@ from boostlr.train.optim import (
     reanchor,
     set_lr,
 )
+from boostlr.train.perf import peak_flops, peak_memory_mb
 from boostlr.train.resume import check_resume_config, pick_checkpoint
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
+COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_time_s
 
 
 @dataclass
@@ -369,6 +371,9 @@ def _run(state: RunState, console: bool) -> TrainResult:
         else nullcontext()
     )
     ledger = model.comms.ledger
+    # MFU: the job's model FLOP/s over the peak of all its devices (omitted when unknown).
+    peak = peak_flops(state.device, t.dtype)
+    job_peak = peak * cfg.parallel.world_size if peak else None
     metrics = MetricsLog(run_dir / METRICS_FILE) if state.rank == 0 else None
     progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
     if restart_attempt() > 0:
@@ -379,6 +384,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
         progress.print(f"resumed {run_dir} at step {start_step}")
     loss_value, val_loss = float("nan"), None
     window_time, window_steps = 0.0, 0
+    window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
     try:
         for step in range(start_step + 1, t.steps + 1):
             started = time.perf_counter()
@@ -408,10 +414,15 @@ def _run(state: RunState, console: bool) -> TrainResult:
                 torch.cuda.synchronize()
             window_time += time.perf_counter() - started
             window_steps += 1
+            blocked = ledger.seconds()
+            for group in COMM_GROUPS:
+                window_comm[group] += blocked.get(group, 0.0)
 
             row = None
             if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
                 step_time = window_time / window_steps
+                comm = {g: window_comm[g] / window_steps for g in COMM_GROUPS}
+                flops_per_s = flops_tok * tokens_per_step / step_time
                 row = {
                     "step": step,
                     "loss": loss_value,
@@ -420,12 +431,19 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     "tokens_per_s": tokens_per_step / step_time,
                     "step_time_s": step_time,
                     "tokens": step * tokens_per_step,
-                    "flops_per_s": flops_tok * tokens_per_step / step_time,
+                    "flops_per_s": flops_per_s,
                     **model.step_metrics(),
+                    **{f"comm_{g}_time_s": comm[g] for g in COMM_GROUPS},
+                    # CUDA FSDP streams may overlap compute: never report negative compute.
+                    "compute_time_s": max(0.0, step_time - sum(comm.values())),
+                    "peak_mem_mb": peak_memory_mb(state.device),
                 }
+                if job_peak:
+                    row["mfu"] = flops_per_s / job_peak
                 if metrics is not None:
                     metrics.write(row)
                 window_time, window_steps = 0.0, 0
+                window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
             if step % t.eval_every == 0 or step == t.steps:
                 val_loss = model.evaluate(state.val_data, autocast)
                 if metrics is not None:
