@@ -251,3 +251,25 @@ def test_metrics_have_time_breakdown_memory_and_mfu(
     for r in rows:
         assert r["mfu"] == pytest.approx(r["flops_per_s"] / 0.5e12)
     assert "MFU" in capsys.readouterr().out
+
+
+def test_profile_steps_write_a_labelled_trace(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = tiny_run_config(small_dataset, **{"train.steps": 3, "train.profile_steps": "2:3"})
+    loop.train(cfg, run, console=False)
+    trace = run / "trace_rank0_steps2-3.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    # Blocks, BTP's regions (ledger tags; TP 1 runs the grouped BTP block) and the loop.
+    for label in ("block.0", "block.1", "region.qkv", "region.o_proj", "region.gate_up"):
+        assert label in names, label
+    for label in ("region.down_proj", "forward_backward", "optimizer.step"):
+        assert label in names, label
+    # Only steps 2..3: two optimizer steps, not three.
+    assert sum(e.get("name") == "optimizer.step" for e in events) == 2
+
+
+@pytest.mark.parametrize("spec", ["3", "0:2", "4:2", "a:b", "2:"])
+def test_bad_profile_steps_are_rejected(spec: str, small_dataset: Path) -> None:
+    with pytest.raises(ConfigError, match="train.profile_steps"):
+        tiny_run_config(small_dataset, **{"train.profile_steps": spec})

@@ -33,7 +33,8 @@ def test_tp2_resume_is_bitwise_and_metrics_match_the_formula(
     small_dataset: Path, tmp_path: Path
 ) -> None:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    loop.train(tp_config(small_dataset, 2), straight, console=False)
+    profiled = {"train.profile_steps": "2:2"}  # observes only: the losses stay bitwise
+    loop.train(tp_config(small_dataset, 2, **profiled), straight, console=False)
     loop.train(tp_config(small_dataset, 2), interrupted, console=False)
     shutil.rmtree(interrupted / "checkpoints" / "step_6")
     loop.train(build_config(interrupted / "config.toml"), interrupted, resume=True, console=False)
@@ -49,6 +50,12 @@ def test_tp2_resume_is_bitwise_and_metrics_match_the_formula(
             assert {k: row[k] for k in expected_row} == expected_row
             assert row["comm_tp_time_s"] > 0 and row["comm_dp_time_s"] == 0
     check_time_breakdown(metric_rows(straight))
+    for rank in (0, 1):  # regions and the collectives ending them, by their ledger tags
+        trace = json.loads((straight / f"trace_rank{rank}_steps2-2.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        for label in ("region.qkv", "tp.all_reduce.qkv", "region.o_proj", "tp.all_reduce.o_proj"):
+            assert label in names, (rank, label)
+        assert "tp.all_reduce.gate_up" in names and "tp.all_reduce.down_proj" in names
 
 
 def test_tp_checkpoint_exports_like_a_single_device_run(

@@ -191,6 +191,7 @@ def block_forward(
     # Distinct names: a checkpointed region's closure is re-run in the backward.
     attn_norm, mlp_norm = block.input_layernorm, block.post_attention_layernorm
     parts = ctx.region(
+        "qkv",
         lambda x_: _norm_down_partial(
             x_,
             local(attn_norm.weight),
@@ -212,7 +213,7 @@ def block_forward(
         out = causal_attention(q, k, v, rope, attn.head_dim)
         return F.linear(out, local(attn.o_proj.down.weight))
 
-    p_o = reduce_from_group(ctx.region(attention_region, *hs), ctx.comm, "o_proj")
+    p_o = reduce_from_group(ctx.region("o_proj", attention_region, *hs), ctx.comm, "o_proj")
     (h_o,), z_o = _latents([attn.o_proj], [p_o], ["o_proj"], z_prev)
     z.update(z_o)
     (h_o,) = _enter_region([h_o], ctx, "o_proj")
@@ -224,7 +225,7 @@ def block_forward(
         gain = local(mlp_norm.weight)
         return (x_, *_norm_down_partial(x_, gain, mlp_norm.eps, downs, grouped, whole))
 
-    x, *parts = ctx.region(residual_attn_region, h_o, x)
+    x, *parts = ctx.region("gate_up", residual_attn_region, h_o, x)
     pre = _reduce_norm_down(tuple(parts), cfg.dim, mlp_norm.eps, ctx, "gate_up")
     hs, z_gu = _latents(gate_up, pre, GATE_UP, z_prev)
     z.update(z_gu)
@@ -235,10 +236,13 @@ def block_forward(
         g, u = _up(list(h), [local(l.up.weight) for l in gate_up], grouped)
         return F.linear(mlp_product(g, u, mlp.form), local(mlp.down_proj.down.weight))
 
-    p_d = reduce_from_group(ctx.region(mlp_region, *hs), ctx.comm, "down_proj")
+    p_d = reduce_from_group(ctx.region("down_proj", mlp_region, *hs), ctx.comm, "down_proj")
     (h_d,), z_d = _latents([mlp.down_proj], [p_d], ["down_proj"], z_prev)
     z.update(z_d)
     (h_d,) = _enter_region([h_d], ctx, "down_proj")
 
     # Region: B_down writes the residual slice (continues into the next block's A_qkv).
-    return ctx.region(lambda h, x_: x_ + F.linear(h, local(mlp.down_proj.up.weight)), h_d, x), z
+    def residual_mlp_region(h: Tensor, x_: Tensor) -> Tensor:
+        return x_ + F.linear(h, local(mlp.down_proj.up.weight))
+
+    return ctx.region("residual", residual_mlp_region, h_d, x), z

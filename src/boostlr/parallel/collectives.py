@@ -166,18 +166,23 @@ class GroupComm:
     group: dist.ProcessGroup | None
     name: str
     ledger: CommLedger
+    # Read once: a plain attribute is what torch.compile can trace (and guard on) in the
+    # ``size == 1`` shortcuts below, where a process-group query would break the graph.
+    _size: int = field(init=False, repr=False, compare=False)
+    _rank: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        alone = self.group is None or not dist.is_available() or not dist.is_initialized()
+        object.__setattr__(self, "_size", 1 if alone else dist.get_world_size(self.group))
+        object.__setattr__(self, "_rank", 0 if alone else dist.get_rank(self.group))
 
     @property
     def size(self) -> int:
-        if self.group is None or not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.group)
+        return self._size
 
     @property
     def rank(self) -> int:
-        if self.group is None or not dist.is_available() or not dist.is_initialized():
-            return 0
-        return dist.get_rank(self.group)
+        return self._rank
 
 
 def _record(comm: GroupComm, op: OpName, payload: Tensor, tag: str, phase: Phase) -> None:
@@ -336,18 +341,29 @@ class _ReduceScatterToGroup(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.comm, ctx.tag, "bwd"), None, None, None
 
 
+@torch.compiler.disable
+def _eager(function: type[torch.autograd.Function], *args: object) -> Tensor:
+    """Run a collective outside any ``torch.compile`` graph.
+
+    Every collective is a compile boundary: a compiled block breaks its graph exactly here,
+    so each collective-free region (BTP's, by construction) compiles whole and the
+    collectives, their ledger records and timing stay eager Python.
+    """
+    return function.apply(*args)
+
+
 def copy_to_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
     """Identity forward, all-reduce backward (enter a column-parallel region)."""
     if comm.size == 1:
         return x
-    return _CopyToGroup.apply(x, comm, tag)
+    return _eager(_CopyToGroup, x, comm, tag)
 
 
 def reduce_from_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
     """All-reduce (sum) forward, identity backward (leave a row-parallel region)."""
     if comm.size == 1:
         return x
-    return _ReduceFromGroup.apply(x, comm, tag)
+    return _eager(_ReduceFromGroup, x, comm, tag)
 
 
 def gather_from_group(
@@ -358,23 +374,24 @@ def gather_from_group(
         raise ValueError(f"[{tag}] grad must be 'split' or 'reduce_scatter', got {grad!r}")
     if comm.size == 1:
         return x
-    return _GatherFromGroup.apply(x, comm, tag, dim % x.dim(), grad)
+    return _eager(_GatherFromGroup, x, comm, tag, dim % x.dim(), grad)
 
 
 def scatter_to_group(x: Tensor, comm: GroupComm, tag: str, dim: int = -1) -> Tensor:
     """This rank's slice along ``dim`` (no comm) forward, all-gather backward."""
     if comm.size == 1:
         return x
-    return _ScatterToGroup.apply(x, comm, tag, dim % x.dim())
+    return _eager(_ScatterToGroup, x, comm, tag, dim % x.dim())
 
 
 def reduce_scatter_to_group(x: Tensor, comm: GroupComm, tag: str, dim: int = -1) -> Tensor:
     """Reduce-scatter along ``dim`` forward, all-gather backward."""
     if comm.size == 1:
         return x
-    return _ReduceScatterToGroup.apply(x, comm, tag, dim % x.dim())
+    return _eager(_ReduceScatterToGroup, x, comm, tag, dim % x.dim())
 
 
+@torch.compiler.disable
 def all_reduce_(
     x: Tensor, comm: GroupComm, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> Tensor:

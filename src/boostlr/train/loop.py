@@ -34,6 +34,7 @@ from boostlr.errors import (
 from boostlr.faults import crash_point
 from boostlr.fsutil import write_text_atomic
 from boostlr.models.counting import flops_per_token
+from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
 from boostlr.parallel.tensor_parallel import load_full_optimizer_state
@@ -56,6 +57,7 @@ from boostlr.train.optim import (
     set_lr,
 )
 from boostlr.train.perf import peak_flops, peak_memory_mb
+from boostlr.train.profiling import StepProfiler
 from boostlr.train.resume import check_resume_config, pick_checkpoint
 
 CONFIG_FILE = "config.toml"
@@ -105,6 +107,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     launch the ranks in process, or join the ones torchrun/srun started.
     """
     device = resolve_device(cfg.parallel.device)
+    if cfg.train.compile:
+        check_toolchain(device)
     datasets = open_datasets(cfg)
     bind_vocab(cfg, datasets[0])
     world = cfg.parallel.world_size
@@ -376,6 +380,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
     job_peak = peak * cfg.parallel.world_size if peak else None
     metrics = MetricsLog(run_dir / METRICS_FILE) if state.rank == 0 else None
     progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
+    profiler = StepProfiler(t.profile_steps, run_dir, state.rank, state.device)
     if restart_attempt() > 0:
         if metrics is not None:
             metrics.write({"event": "restart", "step": start_step, "attempt": restart_attempt()})
@@ -387,6 +392,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
     window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
     try:
         for step in range(start_step + 1, t.steps + 1):
+            profiler.before_step(step)
             started = time.perf_counter()
             ledger.reset()
             lr = state.lr(step - 1)
@@ -395,10 +401,11 @@ def _run(state: RunState, console: bool) -> TrainResult:
             total = torch.zeros((), device=state.device)
             for _ in range(t.grad_accum):
                 inputs, targets = next(state.loader)
-                with autocast:
+                with autocast, torch.profiler.record_function("forward_backward"):
                     total += model.forward_backward(inputs, targets)
             loss_value = model.global_mean(total / t.grad_accum)
-            grad_norm = model.clip_gradients(t.grad_clip)
+            with torch.profiler.record_function("clip_gradients"):
+                grad_norm = model.clip_gradients(t.grad_clip)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 state.writer.wait()
                 kept = newest_checkpoint(run_dir / "checkpoints")
@@ -408,7 +415,8 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     f"stopped without saving (last good checkpoint: {kept}); lower --train.lr "
                     "or use --train.dtype float32, then --resume"
                 )
-            optimizer.step()
+            with torch.profiler.record_function("optimizer.step"):
+                optimizer.step()
             crash_point("step", state.rank, step)
             if state.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -444,6 +452,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     metrics.write(row)
                 window_time, window_steps = 0.0, 0
                 window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
+            profiler.after_step(step)
             if step % t.eval_every == 0 or step == t.steps:
                 val_loss = model.evaluate(state.val_data, autocast)
                 if metrics is not None:
@@ -459,6 +468,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
             progress.update(step, row)
     finally:
+        profiler.close()
         state.writer.close()  # a save still in flight is finished, not dropped
         progress.close()
         if metrics is not None:
