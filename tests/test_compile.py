@@ -48,8 +48,9 @@ def _losses(
         losses.append(float(loss.detach()))
         if step == 1:
             after_warmup = counters["stats"]["unique_graphs"]
-    recompiled = counters["stats"]["unique_graphs"] - after_warmup
-    return losses, recompiled, dict(counters["graph_break"])
+    graphs = counters["stats"]["unique_graphs"]
+    assert not compile or graphs > 0, "nothing was compiled"
+    return losses, graphs - after_warmup, dict(counters["graph_break"])
 
 
 def _assert_close(compiled: list[float], eager: list[float]) -> None:

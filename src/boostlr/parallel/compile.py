@@ -18,6 +18,10 @@ import torch
 from boostlr.errors import ConfigError
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+# Graphs cached per block function: (first block, later blocks) x (train, no-grad eval) per
+# model shape. torch's default limit (8) would silently send a process that builds several
+# models (benchmarks, tests) back to eager.
+RECOMPILE_LIMIT = 64
 
 
 def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,6 +31,9 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     and static shapes give inductor the most room.
     """
     if fn not in _COMPILED:
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
 
