@@ -53,13 +53,15 @@ class TPContext:
         """A BTP region (no collective inside): checkpointed under ``act_ckpt=lowrank``.
 
         Labelled ``region.{tag}`` in profiler traces, ``tag`` being the ledger tag of the
-        all-reduce the region ends in.
+        all-reduce the region ends in (compiled, the region shows as its compiled graph:
+        torch.compile drops ``record_function`` and warns about it).
 
         Compiled, the plain non-reentrant checkpoint is what torch.compile traces into one
         recomputed subgraph (the early-stop switch and the ledger's recompute context would
         break the graph); a region issues no collective, so the ledger needs neither.
         """
-        with torch.profiler.record_function(f"region.{tag}"):
+        label = nullcontext() if self.compile else torch.profiler.record_function(f"region.{tag}")
+        with label:
             if self.act_ckpt != "lowrank":
                 return fn(*args)
             if self.compile:
