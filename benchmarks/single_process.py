@@ -2,10 +2,15 @@
 
 Each arch trains in its own fresh process (so peak memory is not polluted by the previous
 arch) on the same random tokens; rounds are interleaved (full, cola, svd, lax, full, ...) so
-machine noise hits every arch alike. Prints one table with ratios to ``full``.
+machine noise hits every arch alike. Prints one table with ratios to ``full`` (or to the first
+arch run). The step is the trainer's one-device step (``TensorParallelModel``: BTP's grouped
+block for low-rank archs unless ``--no-grouping``), optionally under bf16 autocast and
+``torch.compile``.
 
     python benchmarks/single_process.py                 # 60M preset, seq 128, batch 4
     python benchmarks/single_process.py --preset 130M --device cuda --seq-len 1024
+    python benchmarks/single_process.py --archs cola --mlp swiglu --batch-size 8 \
+        --seq-len 256 --dtype bfloat16 --compile        # the issue-10 goal shape
 """
 
 from __future__ import annotations
@@ -26,13 +31,26 @@ def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
     from boostlr.config import build_config
     from boostlr.models.counting import count_params, flops_per_token
     from boostlr.models.llama import build_model
+    from boostlr.parallel.collectives import CommLedger, GroupComm
+    from boostlr.parallel.context import TPContext
+    from boostlr.parallel.tensor_parallel import TensorParallelModel
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cfg = build_config(overrides=[("model.preset", args.preset), ("model.arch", arch)]).model
+    overrides = [("model.preset", args.preset), ("model.arch", arch)]
+    if args.mlp != "auto" and not (arch == "full" and args.mlp == "lowrank-only"):
+        overrides.append(("model.mlp", args.mlp))
+    cfg = build_config(overrides=overrides).model
     cfg.vocab_size = args.vocab
     baseline_rss = _peak_rss_mb()
-    model = build_model(cfg, seed=0, device=device)
+    ctx = TPContext(
+        GroupComm(None, "tp", CommLedger()),
+        cfg,
+        grouping=not args.no_grouping,
+        compile=args.compile,
+    )
+    model = TensorParallelModel(build_model(cfg, seed=0, device=device), None, ctx)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=gen)
@@ -42,7 +60,8 @@ def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
     times = []
     for step in range(args.warmup + args.steps):
         started = time.perf_counter()
-        loss = model(inputs, targets)
+        with autocast:
+            loss = model(inputs, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -80,16 +99,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=None, help="default 1 (3 compiled)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions per arch")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser.add_argument("--mlp", default="auto", choices=("auto", "lowrank-only", "swiglu"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--compile", action="store_true", help="--train.compile true")
+    parser.add_argument("--no-grouping", action="store_true", help="the ungrouped block")
     args = parser.parse_args()
+    if args.warmup is None:
+        args.warmup = 3 if args.compile else 1
 
     ctx = mp.get_context("spawn")
-    results: dict[str, list[dict]] = {arch: [] for arch in ARCHS}
+    results: dict[str, list[dict]] = {arch: [] for arch in args.archs}
     for _ in range(args.rounds):
-        for arch in ARCHS:
+        for arch in args.archs:
             queue = ctx.Queue()
             proc = ctx.Process(target=_measure, args=(arch, args, queue))
             proc.start()
@@ -100,17 +126,18 @@ def main() -> None:
     print(
         f"# single_process: preset {args.preset}, seq {args.seq_len}, batch {args.batch_size}, "
         f"vocab {args.vocab}, {args.steps} timed steps x {args.rounds} rounds, "
-        f"device {args.device}, threads {args.threads}, {cpu}"
+        f"device {args.device}, threads {args.threads}, {cpu}, {args.dtype}, mlp {args.mlp}, "
+        f"{'compiled' if args.compile else 'eager'}, grouping {not args.no_grouping}"
     )
     best = {arch: max(rows, key=lambda r: r["tokens_per_s"]) for arch, rows in results.items()}
-    ref = best["full"]
+    ref = best[args.archs[0]]
     header = (
         f"{'arch':<6} {'params':>12} {'tokens/s':>10} {'step s':>8} {'GFLOP/s':>8} "
-        f"{'peak MB':>9} {'tok/s vs full':>14} {'mem vs full':>12}"
+        f"{'peak MB':>9} {'tok/s vs ' + args.archs[0]:>14} {'mem vs ' + args.archs[0]:>12}"
     )
     print(header)
     print("-" * len(header))
-    for arch in ARCHS:
+    for arch in args.archs:
         r = best[arch]
         print(
             f"{arch:<6} {r['params']:>12,} {r['tokens_per_s']:>10,.0f} {r['step_time_s']:>8.3f} "

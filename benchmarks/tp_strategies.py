@@ -3,8 +3,10 @@
 One run launches the ranks (torch's elastic launcher, gloo on CPU / NCCL on GPU) and, inside
 the same process group, times every configuration in interleaved rounds so machine noise
 hits all alike. Per configuration: TP bytes and calls per step (from the communication
-ledger), median step time, tokens/s and the activation memory held at the end of the
-forward. Then the ratios BTP/vanilla and BTP/Megatron, and an ablation of BTP's companions.
+ledger), median step time, the share of it rank 0 spent blocked in TP collectives (measured
+by the ledger, as ``comm_tp_time_s`` in metrics.jsonl), tokens/s and the activation memory
+held at the end of the forward. Then the ratios BTP/vanilla and BTP/Megatron, and an
+ablation of BTP's companions.
 
     python benchmarks/tp_strategies.py                       # T = 2 and 4, CPU
     python benchmarks/tp_strategies.py --tp 8 --device cuda --preset 1B --seq-len 2048
@@ -59,6 +61,7 @@ def _rank(args: argparse.Namespace) -> dict[str, dict]:
     def step(label: str) -> float:
         model, opt = models[label]
         dist.barrier()
+        comm.ledger.reset()
         started = time.perf_counter()
         loss = model(inputs, targets)
         loss.backward()
@@ -68,7 +71,7 @@ def _rank(args: argparse.Namespace) -> dict[str, dict]:
             torch.cuda.synchronize()
         return time.perf_counter() - started
 
-    results: dict[str, dict] = {label: {"times": []} for label in models}
+    results: dict[str, dict] = {label: {"times": [], "comm": []} for label in models}
     for label in models:  # warm-up, and one ledger-recorded step each
         comm.ledger.reset()
         step(label)
@@ -77,6 +80,7 @@ def _rank(args: argparse.Namespace) -> dict[str, dict]:
         for label in models:
             for _ in range(args.steps):
                 results[label]["times"].append(step(label))
+                results[label]["comm"].append(comm.ledger.seconds().get("tp", 0.0))
     for label, (model, _) in models.items():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loss = model(inputs, targets)
@@ -114,7 +118,7 @@ def main() -> None:
         )
         header = (
             f"{'config':<24} {'TP MB/step':>11} {'calls':>6} {'recomp MB':>10} "
-            f"{'step s':>8} {'tokens/s':>9} {'act MB':>8}"
+            f"{'step s':>8} {'comm %':>7} {'tokens/s':>9} {'act MB':>8}"
         )
         print(header)
         print("-" * len(header))
@@ -122,11 +126,12 @@ def main() -> None:
         for label, _, _, _ in CONFIGS:
             r = res[label]
             t = statistics.median(r["times"])
+            share = 100 * sum(r["comm"]) / sum(r["times"])
             summary[label] = (r["ledger"]["comm_tp_bytes"], t, r["act_bytes"])
             print(
                 f"{label:<24} {r['ledger']['comm_tp_bytes'] / 2**20:>11.2f} "
                 f"{r['ledger']['comm_tp_calls']:>6} "
-                f"{r['ledger']['comm_tp_bytes_recompute'] / 2**20:>10.2f} {t:>8.3f} "
+                f"{r['ledger']['comm_tp_bytes_recompute'] / 2**20:>10.2f} {t:>8.3f} {share:>6.1f}% "
                 f"{tokens / t:>9,.0f} {r['act_bytes'] / 2**20:>8.1f}"
             )
         btp, van, meg = summary["btp (cola)"], summary["vanilla (cola)"], summary["megatron (full)"]

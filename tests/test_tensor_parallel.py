@@ -80,6 +80,7 @@ def matrix(tp: int) -> list[dict]:
     if tp == 1:  # the plain model, as the trainer runs it at TP 1
         cases.append(dict(arch="lax", strategy=None, tie=True, act_ckpt="block"))
         cases.append(dict(arch="cola", strategy=None, act_ckpt="none"))
+        cases.append(dict(arch="svd", strategy=None, act_ckpt="lowrank"))
     for case in cases:
         case["n_kv_heads"] = 2 if tp == 2 else 4  # GQA where the degree allows it
         # Training steps at T 1 and 2. At T 4 (four ranks on CI's two cores every collective
@@ -100,7 +101,8 @@ def check_case(case: dict, comm: GroupComm, bf16: bool = False) -> dict:
     single = GroupComm(None, "single", CommLedger())
     plain = build_model(cfg, seed=1)
     plain.load_state_dict(state)
-    reference = TensorParallelModel(plain, None, TPContext(single, cfg))
+    # The reference is the model's own ungrouped math (grouping on at TP 1 runs BTP's block).
+    reference = TensorParallelModel(plain, None, TPContext(single, cfg, grouping=False))
     with autocast:
         ref_loss = reference(inputs, targets)
     ref_loss.backward()

@@ -215,3 +215,77 @@ def test_resume_after_a_half_written_metrics_row(small_dataset: Path, tmp_path: 
     loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
     assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+STEP_KEYS = ("comm_tp_time_s", "comm_dp_time_s", "comm_pp_time_s", "compute_time_s")
+
+
+def check_time_breakdown(rows: list[dict]) -> None:
+    """Shared by the multi-rank tests: measured comm times fit inside the step time."""
+    steps = [r for r in rows if "loss" in r]
+    assert steps
+    for r in steps:
+        for key in (*STEP_KEYS, "peak_mem_mb"):
+            assert key in r and r[key] >= 0, (key, r)
+        comm = r["comm_tp_time_s"] + r["comm_dp_time_s"] + r["comm_pp_time_s"]
+        assert comm <= r["step_time_s"], r
+        assert r["compute_time_s"] == pytest.approx(r["step_time_s"] - comm, abs=1e-9)
+
+
+def test_metrics_have_time_breakdown_memory_and_mfu(
+    small_dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One process: zero comm time, compute = step, RSS peak; MFU only with a known peak."""
+    monkeypatch.setenv("BOOSTLR_HARDWARE", str(tmp_path / "no-profiles"))
+    run = tmp_path / "run"
+    loop.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=True)
+    rows = [r for r in read_rows(run) if "loss" in r]
+    check_time_breakdown(rows)
+    for r in rows:
+        assert r["comm_tp_time_s"] == r["comm_dp_time_s"] == r["comm_pp_time_s"] == 0
+        assert r["compute_time_s"] == r["step_time_s"]
+        assert r["peak_mem_mb"] > 50  # at least the interpreter and torch
+        assert "mfu" not in r  # no calibrated CPU profile: omitted, not guessed
+    out = capsys.readouterr().out
+    assert "tok/s" in out and " MB" in out and "MFU" not in out
+
+    # A calibrated ``local`` profile gives the peak: MFU = model FLOP/s / peak.
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    from boostlr.analysis.hardware import load_profile
+
+    local = load_profile("a100-40gb").to_toml().replace('name = "a100-40gb"', 'name = "local"')
+    local = local.replace("float32_tflops = 19.5", "float32_tflops = 0.5")
+    (profiles / "local.toml").write_text(local)
+    monkeypatch.setenv("BOOSTLR_HARDWARE", str(profiles))
+    run = tmp_path / "run_mfu"
+    loop.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=True)
+    rows = [r for r in read_rows(run) if "loss" in r]
+    for r in rows:
+        assert r["mfu"] == pytest.approx(r["flops_per_s"] / 0.5e12)
+    assert "MFU" in capsys.readouterr().out
+
+
+def test_profile_steps_write_a_labelled_trace(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = tiny_run_config(small_dataset, **{"train.steps": 3, "train.profile_steps": "2:3"})
+    loop.train(cfg, run, console=False)
+    trace = run / "trace_rank0_steps2-3.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    # Blocks, BTP's regions (ledger tags; TP 1 runs the grouped BTP block) and the loop.
+    for label in ("block.0", "block.1", "region.qkv", "region.o_proj", "region.gate_up"):
+        assert label in names, label
+    for label in ("region.down_proj", "forward_backward", "optimizer.step"):
+        assert label in names, label
+    # Only steps 2..3: two optimizer steps, not three.
+    assert sum(e.get("name") == "optimizer.step" for e in events) == 2
+
+
+@pytest.mark.parametrize("spec", ["3", "0:2", "4:2", "a:b", "2:"])
+def test_bad_profile_steps_are_rejected(spec: str, small_dataset: Path) -> None:
+    with pytest.raises(ConfigError, match="train.profile_steps"):
+        tiny_run_config(small_dataset, **{"train.profile_steps": spec})

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from test_train import tiny_run_config, train_rows
+from test_train import check_time_breakdown, tiny_run_config, train_rows
 
 from boostlr.analysis.comm import tp_comm_volume
 from boostlr.cli import main
@@ -33,7 +33,8 @@ def test_tp2_resume_is_bitwise_and_metrics_match_the_formula(
     small_dataset: Path, tmp_path: Path
 ) -> None:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    loop.train(tp_config(small_dataset, 2), straight, console=False)
+    profiled = {"train.profile_steps": "2:2"}  # observes only: the losses stay bitwise
+    loop.train(tp_config(small_dataset, 2, **profiled), straight, console=False)
     loop.train(tp_config(small_dataset, 2), interrupted, console=False)
     shutil.rmtree(interrupted / "checkpoints" / "step_6")
     loop.train(build_config(interrupted / "config.toml"), interrupted, resume=True, console=False)
@@ -47,6 +48,14 @@ def test_tp2_resume_is_bitwise_and_metrics_match_the_formula(
     for row in metric_rows(straight):
         if "loss" in row:
             assert {k: row[k] for k in expected_row} == expected_row
+            assert row["comm_tp_time_s"] > 0 and row["comm_dp_time_s"] == 0
+    check_time_breakdown(metric_rows(straight))
+    for rank in (0, 1):  # regions and the collectives ending them, by their ledger tags
+        trace = json.loads((straight / f"trace_rank{rank}_steps2-2.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        for label in ("region.qkv", "tp.all_reduce.qkv", "region.o_proj", "tp.all_reduce.o_proj"):
+            assert label in names, (rank, label)
+        assert "tp.all_reduce.gate_up" in names and "tp.all_reduce.down_proj" in names
 
 
 def test_tp_checkpoint_exports_like_a_single_device_run(
@@ -163,9 +172,20 @@ def test_dp2_consumes_the_dp1_global_batch_and_resumes_bitwise(
     rows = [r for r in metric_rows(two) if "loss" in r]
     assert all(r["comm_dp_bytes"] > 0 and r["comm_pp_bytes"] == 0 for r in rows)
     assert all(r["comm_tp_bytes"] == 0 for r in rows)
+    assert all(r["comm_dp_time_s"] > 0 and r["comm_pp_time_s"] == 0 for r in rows)
+    check_time_breakdown(rows)
 
     ckpt = two / "checkpoints" / "step_6"
     assert json.loads((ckpt / "meta.json").read_text())["sharded"] is True
     shutil.rmtree(ckpt)  # resume from step 3's sharded checkpoint: bitwise the same rows
     loop.train(build_config(two / "config.toml"), two, resume=True, console=False)
     assert train_rows(two) == data_parallel
+
+
+def test_pp2_metrics_time_the_pipeline_waits(small_dataset: Path, tmp_path: Path) -> None:
+    run = tmp_path / "pp2"
+    cfg = tiny_run_config(small_dataset, **{"parallel.pp": 2, "train.steps": 2})
+    loop.train(cfg, run, console=False)
+    rows = [r for r in metric_rows(run) if "loss" in r]
+    check_time_breakdown(rows)
+    assert all(r["comm_pp_time_s"] > 0 and r["comm_pp_bytes"] > 0 for r in rows)

@@ -151,6 +151,12 @@ class TrainConfig:
     # Write checkpoints in the background (DCP async_save on its own gloo group): the step
     # loop blocks only for the copy of this rank's shards to host memory.
     async_ckpt: bool = False
+    # torch.compile every block (inductor): each collective-free region is one graph, the
+    # collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA.
+    compile: bool = False
+    # "A:B" writes a torch.profiler trace (Chrome/Perfetto JSON) of steps A..B into the run
+    # directory, one file per rank; "" = off.
+    profile_steps: str = ""
     # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
     # x dp. When set it derives grad_accum (it must divide evenly).
     global_batch: int = 0
@@ -456,11 +462,29 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"parallel.max_restarts must be >= 0, got {cfg.parallel.max_restarts}")
     if not cfg.parallel.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {cfg.parallel.timeout_s}")
+    profile_range(t.profile_steps)
     if d.default_vocab < 260 or d.default_vocab > 2**32 - 1:
         raise ConfigError(f"data.default_vocab must be in [260, 2^32), got {d.default_vocab}")
     from boostlr.train.sinks import require_packages
 
     require_packages(t)
+
+
+def profile_range(spec: str) -> tuple[int, int] | None:
+    """``train.profile_steps`` "A:B" as ``(A, B)`` (1-based, inclusive); ``None`` when off."""
+    if not spec:
+        return None
+    first, sep, last = spec.partition(":")
+    try:
+        a, b = int(first), int(last)
+    except ValueError:
+        a = b = 0
+    if not sep or a < 1 or b < a:
+        raise ConfigError(
+            f"train.profile_steps '{spec}' is not a step range: write A:B with 1 <= A <= B "
+            "(e.g. --train.profile_steps 5:7)"
+        )
+    return a, b
 
 
 def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:

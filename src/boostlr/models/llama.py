@@ -60,26 +60,26 @@ def make_linear(
 def rope_tables(
     cfg: ModelConfig, seq_len: int, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[seq_len, head_dim]`` in HF's ``rotate_half`` layout (halves, not pairs)."""
+    """cos and signed sin ``[seq_len, head_dim]`` for HF's ``rotate_half`` layout (halves).
+
+    HF computes ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2, x1]``; the sign
+    is folded into the table (``[-sin, sin]``) so each layer's rotation is one roll, not a
+    negation and a concatenation.
+    """
     hd = cfg.head_dim
     inv_freq = 1.0 / (
         cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
     )
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [b, heads, s, hd]`` by position."""
+    """Rotate ``x [b, heads, s, hd]`` by position (``sin`` signed, see :func:`rope_tables`)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def causal_attention(

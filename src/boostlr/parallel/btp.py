@@ -68,18 +68,31 @@ def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
 # ------------------------------------------------------------------------ norm + down-proj
 
 
-def _norm_down_partial(x: Tensor, gain: Tensor, downs: list[Tensor]) -> tuple[Tensor, ...]:
+def _down(y: Tensor, downs: list[Tensor], grouped: bool) -> list[Tensor]:
+    """A projections of one input; grouped: one GEMM over the stacked rows ``[A_1; A_2; ...]``."""
+    if grouped and len(downs) > 1:
+        joined = F.linear(y, torch.cat(downs))
+        return list(joined.split([a.shape[0] for a in downs], -1))
+    return [F.linear(y, a) for a in downs]
+
+
+def _norm_down_partial(
+    x: Tensor, gain: Tensor, eps: float, downs: list[Tensor], grouped: bool, whole: bool
+) -> tuple[Tensor, ...]:
     """This rank's share of ``A · RMSNorm(x)`` for each A, plus its ``Σ x²`` (fp32).
 
     Pre-normalising by the local rms and multiplying it back keeps the GEMM input in range
-    in bf16 while the sum over ranks is still exactly ``A (g ⊙ x)``.
+    in bf16 while the sum over ranks is still exactly ``A (g ⊙ x)``. A rank that holds all of
+    d (``whole``: TP 1) has nothing to share: the plain RMSNorm, then the GEMM.
     """
+    if whole:
+        return tuple(_down(rms_norm(x, gain, eps), downs, grouped))
     x32 = x.float()
     ss = x32.pow(2).sum(-1, keepdim=True)
     # A constant scale (its gradient terms cancel exactly), so it is detached.
     local_rms = torch.sqrt(ss / x.shape[-1] + 1e-12).detach()
     y = gain * (x32 / local_rms).to(x.dtype)
-    return (ss, *(F.linear(y, a).float() * local_rms for a in downs))
+    return (ss, *(p.float() * local_rms for p in _down(y, downs, grouped)))
 
 
 def _reduce_norm_down(
@@ -88,8 +101,11 @@ def _reduce_norm_down(
     """All-reduce the partials (stats riding along unless ``norm=sync``), then normalise.
 
     The payload travels in the compute dtype (bf16 under autocast, statistics included, as
-    DESIGN's byte counts assume); the normalisation itself is done in fp32.
+    DESIGN's byte counts assume); the normalisation itself is done in fp32. At TP 1 the
+    parts already are the normalised projections.
     """
+    if ctx.comm.size == 1:
+        return list(parts)
     ss, partials = wire(parts[0]), [wire(p) for p in parts[1:]]
     sizes = [p.shape[-1] for p in partials]
     comm = ctx.comm
@@ -148,9 +164,9 @@ def _up(hs: list[Tensor], weights: list[Tensor], grouped: bool) -> list[Tensor]:
         lead = hs[idx[0]].shape[:-1]
         h = torch.stack([hs[i].reshape(-1, hs[i].shape[-1]) for i in idx])
         w = torch.stack([weights[i] for i in idx])
-        y = torch.bmm(h, w.transpose(1, 2))
-        for j, i in enumerate(idx):
-            out[i] = y[j].reshape(*lead, -1)
+        # unbind, not y[j]: each indexing's backward would zero-fill a gradient of all of y.
+        for i, y in zip(idx, torch.bmm(h, w.transpose(1, 2)).unbind(0), strict=True):
+            out[i] = y.reshape(*lead, -1)
     return out  # type: ignore[return-value]
 
 
@@ -166,28 +182,38 @@ def block_forward(
     """One block on the d-sharded residual ``x``; four ``[T, r·k]`` all-reduces forward."""
     attn, mlp, cfg = block.self_attn, block.mlp, ctx.cfg
     qkv = [getattr(attn, n) for n in QKV]
+    grouped = ctx.grouping
     gate_up = [getattr(mlp, n) for n in GATE_UP]
     z: Latents = {}
 
     # Region ending at A_qkv: norm folded into the grouped down-projection.
+    whole = ctx.comm.size == 1
+    # Distinct names: a checkpointed region's closure is re-run in the backward.
+    attn_norm, mlp_norm = block.input_layernorm, block.post_attention_layernorm
     parts = ctx.region(
+        "qkv",
         lambda x_: _norm_down_partial(
-            x_, local(block.input_layernorm.weight), [local(l.down.weight) for l in qkv]
+            x_,
+            local(attn_norm.weight),
+            attn_norm.eps,
+            [local(l.down.weight) for l in qkv],
+            grouped,
+            whole,
         ),
         x,
     )
-    pre = _reduce_norm_down(parts, cfg.dim, block.input_layernorm.eps, ctx, "qkv")
+    pre = _reduce_norm_down(parts, cfg.dim, attn_norm.eps, ctx, "qkv")
     hs, z_qkv = _latents(qkv, pre, QKV, z_prev)
     z.update(z_qkv)
     hs = _enter_region(hs, ctx, "qkv")
 
     # Region: B_q/B_k/B_v (this rank's heads) -> attention -> partial A_o.
     def attention_region(*h: Tensor) -> Tensor:
-        q, k, v = _up(list(h), [local(l.up.weight) for l in qkv], ctx.grouping)
+        q, k, v = _up(list(h), [local(l.up.weight) for l in qkv], grouped)
         out = causal_attention(q, k, v, rope, attn.head_dim)
         return F.linear(out, local(attn.o_proj.down.weight))
 
-    p_o = reduce_from_group(ctx.region(attention_region, *hs), ctx.comm, "o_proj")
+    p_o = reduce_from_group(ctx.region("o_proj", attention_region, *hs), ctx.comm, "o_proj")
     (h_o,), z_o = _latents([attn.o_proj], [p_o], ["o_proj"], z_prev)
     z.update(z_o)
     (h_o,) = _enter_region([h_o], ctx, "o_proj")
@@ -196,24 +222,27 @@ def block_forward(
     def residual_attn_region(h: Tensor, x_: Tensor) -> tuple[Tensor, ...]:
         x_ = x_ + F.linear(h, local(attn.o_proj.up.weight))
         downs = [local(l.down.weight) for l in gate_up]
-        return (x_, *_norm_down_partial(x_, local(block.post_attention_layernorm.weight), downs))
+        gain = local(mlp_norm.weight)
+        return (x_, *_norm_down_partial(x_, gain, mlp_norm.eps, downs, grouped, whole))
 
-    x, *parts = ctx.region(residual_attn_region, h_o, x)
-    eps = block.post_attention_layernorm.eps
-    pre = _reduce_norm_down(tuple(parts), cfg.dim, eps, ctx, "gate_up")
+    x, *parts = ctx.region("gate_up", residual_attn_region, h_o, x)
+    pre = _reduce_norm_down(tuple(parts), cfg.dim, mlp_norm.eps, ctx, "gate_up")
     hs, z_gu = _latents(gate_up, pre, GATE_UP, z_prev)
     z.update(z_gu)
     hs = _enter_region(hs, ctx, "gate_up")
 
     # Region: B_gate/B_up (this rank's slice of f) -> product -> partial A_down.
     def mlp_region(*h: Tensor) -> Tensor:
-        g, u = _up(list(h), [local(l.up.weight) for l in gate_up], ctx.grouping)
+        g, u = _up(list(h), [local(l.up.weight) for l in gate_up], grouped)
         return F.linear(mlp_product(g, u, mlp.form), local(mlp.down_proj.down.weight))
 
-    p_d = reduce_from_group(ctx.region(mlp_region, *hs), ctx.comm, "down_proj")
+    p_d = reduce_from_group(ctx.region("down_proj", mlp_region, *hs), ctx.comm, "down_proj")
     (h_d,), z_d = _latents([mlp.down_proj], [p_d], ["down_proj"], z_prev)
     z.update(z_d)
     (h_d,) = _enter_region([h_d], ctx, "down_proj")
 
     # Region: B_down writes the residual slice (continues into the next block's A_qkv).
-    return ctx.region(lambda h, x_: x_ + F.linear(h, local(mlp.down_proj.up.weight)), h_d, x), z
+    def residual_mlp_region(h: Tensor, x_: Tensor) -> Tensor:
+        return x_ + F.linear(h, local(mlp.down_proj.up.weight))
+
+    return ctx.region("residual", residual_mlp_region, h_d, x), z

@@ -29,7 +29,14 @@ def build_stages(
 ) -> list[TensorParallelModel]:
     """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped."""
     p = cfg.parallel
-    ctx = TPContext(comms.tp, cfg.model, norm=p.norm, grouping=p.grouping, act_ckpt=p.act_ckpt)
+    ctx = TPContext(
+        comms.tp,
+        cfg.model,
+        norm=p.norm,
+        grouping=p.grouping,
+        act_ckpt=p.act_ckpt,
+        compile=cfg.train.compile,
+    )
     stages = []
     for stage in stage_ids(p, pp_rank):
         layers = stage_layers(cfg.model.n_layers, p.num_stages, stage)

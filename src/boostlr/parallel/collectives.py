@@ -15,10 +15,11 @@ Process groups are always passed explicitly through a :class:`GroupComm`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,8 @@ class CommLedger:
 
     records: list[CommRecord] = field(default_factory=list)
     _recompute_depth: int = field(default=0, init=False, repr=False)
+    _seconds: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _events: list[tuple[str, Any, Any]] = field(default_factory=list, init=False, repr=False)
 
     def record(
         self, op: str, group: str, phase: str, bytes: int, elements: int, tag: str = ""
@@ -76,6 +79,44 @@ class CommLedger:
 
     def reset(self) -> None:
         self.records.clear()
+        self._seconds.clear()
+        self._events.clear()
+
+    @contextmanager
+    def timed(self, group: str, device: torch.device) -> Iterator[None]:
+        """Measure the time this rank is blocked by the collective (or wait) inside.
+
+        CPU backends (gloo) block the host for the whole call: wall time. On CUDA the host
+        only enqueues; events on the current stream measure how long the stream stalls on
+        the communication (a synchronous NCCL call makes it wait on the NCCL stream), read
+        back by :meth:`seconds` once the step has been synchronised.
+        """
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((group, start, end))
+            return
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add_seconds(group, time.perf_counter() - started)
+
+    def _add_seconds(self, group: str, seconds: float) -> None:
+        self._seconds[group] = self._seconds.get(group, 0.0) + seconds
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds blocked in collectives since :meth:`reset`, per group name."""
+        for group, start, end in self._events:
+            end.synchronize()
+            self._add_seconds(group, start.elapsed_time(end) / 1e3)
+        self._events.clear()
+        return dict(self._seconds)
 
     @property
     def forward_phase(self) -> Phase:
@@ -125,24 +166,37 @@ class GroupComm:
     group: dist.ProcessGroup | None
     name: str
     ledger: CommLedger
+    # Read once: a plain attribute is what torch.compile can trace (and guard on) in the
+    # ``size == 1`` shortcuts below, where a process-group query would break the graph.
+    _size: int = field(init=False, repr=False, compare=False)
+    _rank: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        alone = self.group is None or not dist.is_available() or not dist.is_initialized()
+        object.__setattr__(self, "_size", 1 if alone else dist.get_world_size(self.group))
+        object.__setattr__(self, "_rank", 0 if alone else dist.get_rank(self.group))
 
     @property
     def size(self) -> int:
-        if self.group is None or not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.group)
+        return self._size
 
     @property
     def rank(self) -> int:
-        if self.group is None or not dist.is_available() or not dist.is_initialized():
-            return 0
-        return dist.get_rank(self.group)
+        return self._rank
 
 
 def _record(comm: GroupComm, op: OpName, payload: Tensor, tag: str, phase: Phase) -> None:
     comm.ledger.record(
         op, comm.name, phase, payload.numel() * payload.element_size(), payload.numel(), tag
     )
+
+
+@contextmanager
+def _collective(comm: GroupComm, op: str, tag: str, payload: Tensor) -> Iterator[None]:
+    """Time the call into the ledger and label it ``{group}.{op}.{tag}`` in profiler traces."""
+    with torch.profiler.record_function(f"{comm.name}.{op}.{tag}"):
+        with comm.ledger.timed(comm.name, payload.device):
+            yield
 
 
 def _chunk_len(shape: torch.Size, dim: int, comm: GroupComm, tag: str) -> int:
@@ -158,7 +212,8 @@ def _all_reduce(x: Tensor, comm: GroupComm, tag: str, phase: Phase) -> Tensor:
     """Sum ``x`` across the group into a fresh tensor (never mutates an autograd input)."""
     out = x.clone(memory_format=torch.contiguous_format)
     _record(comm, "all_reduce", out, tag, phase)
-    dist.all_reduce(out, group=comm.group)
+    with _collective(comm, "all_reduce", tag, out):
+        dist.all_reduce(out, group=comm.group)
     return out
 
 
@@ -167,7 +222,8 @@ def _all_gather(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase) ->
     x = x.contiguous()
     flat = x.new_empty(comm.size * x.numel())  # 1-D buffers: every backend accepts them
     _record(comm, "all_gather", flat, tag, phase)
-    _all_gather_flat(flat, x.view(-1), group=comm.group)
+    with _collective(comm, "all_gather", tag, flat):
+        _all_gather_flat(flat, x.view(-1), group=comm.group)
     # [W, ..., n_dim, ...] -> [..., W * n_dim, ...]: rank-major, i.e. torch.cat order.
     stacked = flat.view(comm.size, *x.shape)
     return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
@@ -180,7 +236,8 @@ def _reduce_scatter(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase
     stacked = x.unflatten(dim, (comm.size, n)).movedim(dim, 0).contiguous()
     out = x.new_empty(stacked.shape[1:])
     _record(comm, "reduce_scatter", stacked, tag, phase)
-    _reduce_scatter_flat(out.view(-1), stacked.view(-1), group=comm.group)
+    with _collective(comm, "reduce_scatter", tag, out):
+        _reduce_scatter_flat(out.view(-1), stacked.view(-1), group=comm.group)
     return out
 
 
@@ -284,18 +341,29 @@ class _ReduceScatterToGroup(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.comm, ctx.tag, "bwd"), None, None, None
 
 
+@torch.compiler.disable
+def _eager(function: type[torch.autograd.Function], *args: object) -> Tensor:
+    """Run a collective outside any ``torch.compile`` graph.
+
+    Every collective is a compile boundary: a compiled block breaks its graph exactly here,
+    so each collective-free region (BTP's, by construction) compiles whole and the
+    collectives, their ledger records and timing stay eager Python.
+    """
+    return function.apply(*args)
+
+
 def copy_to_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
     """Identity forward, all-reduce backward (enter a column-parallel region)."""
     if comm.size == 1:
         return x
-    return _CopyToGroup.apply(x, comm, tag)
+    return _eager(_CopyToGroup, x, comm, tag)
 
 
 def reduce_from_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
     """All-reduce (sum) forward, identity backward (leave a row-parallel region)."""
     if comm.size == 1:
         return x
-    return _ReduceFromGroup.apply(x, comm, tag)
+    return _eager(_ReduceFromGroup, x, comm, tag)
 
 
 def gather_from_group(
@@ -306,23 +374,24 @@ def gather_from_group(
         raise ValueError(f"[{tag}] grad must be 'split' or 'reduce_scatter', got {grad!r}")
     if comm.size == 1:
         return x
-    return _GatherFromGroup.apply(x, comm, tag, dim % x.dim(), grad)
+    return _eager(_GatherFromGroup, x, comm, tag, dim % x.dim(), grad)
 
 
 def scatter_to_group(x: Tensor, comm: GroupComm, tag: str, dim: int = -1) -> Tensor:
     """This rank's slice along ``dim`` (no comm) forward, all-gather backward."""
     if comm.size == 1:
         return x
-    return _ScatterToGroup.apply(x, comm, tag, dim % x.dim())
+    return _eager(_ScatterToGroup, x, comm, tag, dim % x.dim())
 
 
 def reduce_scatter_to_group(x: Tensor, comm: GroupComm, tag: str, dim: int = -1) -> Tensor:
     """Reduce-scatter along ``dim`` forward, all-gather backward."""
     if comm.size == 1:
         return x
-    return _ReduceScatterToGroup.apply(x, comm, tag, dim % x.dim())
+    return _eager(_ReduceScatterToGroup, x, comm, tag, dim % x.dim())
 
 
+@torch.compiler.disable
 def all_reduce_(
     x: Tensor, comm: GroupComm, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> Tensor:
@@ -335,7 +404,8 @@ def all_reduce_(
         return x
     buf = x if x.is_contiguous() else x.contiguous()
     _record(comm, "all_reduce", buf, tag, comm.ledger.forward_phase)
-    dist.all_reduce(buf, op=op, group=comm.group)
+    with _collective(comm, "all_reduce", tag, buf):
+        dist.all_reduce(buf, op=op, group=comm.group)
     if buf is not x:
         x.copy_(buf)
     return x

@@ -33,6 +33,7 @@ class TPContext:
     norm: str = "online"  # btp: "online" (stats ride with A's all-reduce) | "sync"
     grouping: bool = True  # btp: fused down-projections, batched up-projections
     act_ckpt: str = "none"  # "none" | "lowrank" (btp regions) | "block"
+    compile: bool = False  # torch.compile each block; collectives are the graph boundaries
 
     def checkpointed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` under activation checkpointing, its re-forward marked ``recompute``.
@@ -48,6 +49,21 @@ class TPContext:
                 context_fn=lambda: (nullcontext(), self.comm.ledger.recompute()),
             )
 
-    def region(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A BTP region (no collective inside): checkpointed under ``act_ckpt=lowrank``."""
-        return self.checkpointed(fn, *args) if self.act_ckpt == "lowrank" else fn(*args)
+    def region(self, tag: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A BTP region (no collective inside): checkpointed under ``act_ckpt=lowrank``.
+
+        Labelled ``region.{tag}`` in profiler traces, ``tag`` being the ledger tag of the
+        all-reduce the region ends in (compiled, the region shows as its compiled graph:
+        torch.compile drops ``record_function`` and warns about it).
+
+        Compiled, the plain non-reentrant checkpoint is what torch.compile traces into one
+        recomputed subgraph (the early-stop switch and the ledger's recompute context would
+        break the graph); a region issues no collective, so the ledger needs neither.
+        """
+        label = nullcontext() if self.compile else torch.profiler.record_function(f"region.{tag}")
+        with label:
+            if self.act_ckpt != "lowrank":
+                return fn(*args)
+            if self.compile:
+                return checkpoint(fn, *args, use_reentrant=False)
+            return self.checkpointed(fn, *args)

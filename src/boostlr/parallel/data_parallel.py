@@ -5,12 +5,19 @@ forward to backward and only reduce-scatters gradients (ZeRO-2-like: torch's DDP
 multi-dimensional meshes). Parameters arrive as DTensors on the ``tp`` dim, so FSDP takes its
 2-D path and gradients, norms and checkpoints see global shapes. FSDP's collectives bypass
 :mod:`boostlr.parallel.collectives`; they are recorded in the ledger through FSDP's custom
-all-gather / reduce-scatter hooks, with the same payload convention (the full buffer).
+all-gather / reduce-scatter hooks, with the same payload convention (the full buffer), and
+timed there: on CPU (gloo) the calls block the host, so their wall time is the time blocked;
+on CUDA they run on FSDP's own streams, so the events measure their duration there (an upper
+bound of what the compute stream waits for). An asynchronous call (FSDP's explicit
+``unshard(async_op=True)``) is timed where its work is waited on.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
@@ -27,6 +34,35 @@ def _phase(comm: GroupComm) -> str:
     return "bwd" if torch._C._current_graph_task_id() != -1 else comm.ledger.forward_phase
 
 
+class _TimedWork(dist.Work):
+    """An asynchronous collective whose ``wait`` is timed into the ledger."""
+
+    def __init__(self, work: dist.Work, comm: GroupComm, device: torch.device, label: str):
+        super().__init__()
+        self.work, self.comm, self.device, self.label = work, comm, device, label
+
+    def wait(self, timeout=None) -> bool:  # type: ignore[override]
+        with _timed(self.comm, self.device, self.label):
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@contextmanager
+def _timed(comm: GroupComm, device: torch.device, label: str):
+    with torch.profiler.record_function(label), comm.ledger.timed(comm.name, device):
+        yield
+
+
+def _call_timed(comm: GroupComm, device: torch.device, label: str, call, async_op: bool):
+    if async_op:
+        work = call()
+        return None if work is None else _TimedWork(work, comm, device, label)
+    with _timed(comm, device, label):
+        return call()
+
+
 class _RecordedAllGather(DefaultAllGather):
     def __init__(self, comm: GroupComm):
         self.comm = comm
@@ -41,7 +77,14 @@ class _RecordedAllGather(DefaultAllGather):
             n,
             "fsdp_params",
         )
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        call = super().__call__
+        return _call_timed(
+            self.comm,
+            output_tensor.device,
+            "dp.all_gather.fsdp_params",
+            lambda: call(output_tensor, input_tensor, group, async_op),
+            async_op,
+        )
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
@@ -58,7 +101,14 @@ class _RecordedReduceScatter(DefaultReduceScatter):
             n,
             "fsdp_grads",
         )
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        call = super().__call__
+        return _call_timed(
+            self.comm,
+            output_tensor.device,
+            "dp.reduce_scatter.fsdp_grads",
+            lambda: call(output_tensor, input_tensor, group, op, async_op),
+            async_op,
+        )
 
 
 def apply_data_parallel(part: TensorParallelModel, comms: MeshComms, mode: str) -> None:

@@ -8,7 +8,8 @@ the replicated ``[mb, s, d]``) plus, for LaX, the seven latents in ``LATENT_NAME
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining import schedules as _schedules
 
 from boostlr.config import ParallelConfig, RunConfig
 from boostlr.parallel.collectives import GroupComm
@@ -85,6 +87,27 @@ def record_sends(part: TensorParallelModel, comm: GroupComm) -> None:
 
     part.register_forward_pre_hook(pre)
     part.register_forward_hook(post)
+
+
+@contextmanager
+def timed_p2p_waits(comm: GroupComm, device: torch.device) -> Iterator[None]:
+    """Time every point-to-point wait of the schedules into the ledger, as group ``pp``.
+
+    torch's schedules issue sends/receives asynchronously and block in one module-level
+    helper, ``_wait_batch_p2p``; it is swapped for a timed one for the duration of a step
+    (waiting for a receive includes waiting for the neighbouring stage: the bubble).
+    """
+    inner = _schedules._wait_batch_p2p
+
+    def timed_wait(work: list[dist.Work]) -> None:
+        with torch.profiler.record_function("pp.p2p_wait"), comm.ledger.timed(comm.name, device):
+            inner(work)
+
+    _schedules._wait_batch_p2p = timed_wait
+    try:
+        yield
+    finally:
+        _schedules._wait_batch_p2p = inner
 
 
 class Pipeline:
@@ -159,7 +182,8 @@ class Pipeline:
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Forward + backward of one batch; the mean loss on the last stage, else 0."""
         self.losses = []
-        self.schedule.step(inputs, target=targets)
+        with timed_p2p_waits(self.pp, inputs.device):
+            self.schedule.step(inputs, target=targets)
         if not self.losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack(self.losses).mean()

@@ -1,8 +1,12 @@
 """The single-device model as a "strategy": TP degree 1, every parameter whole.
 
 It lets :class:`~boostlr.parallel.tensor_parallel.TensorParallelModel` run the plain model
-through the same loop as the sharded ones (whole-block checkpointing included) while the
-math stays the model's own.
+through the same loop as the sharded ones (whole-block checkpointing included). With
+``grouping`` on (the default) a low-rank block runs BTP's block on one rank: the same code as
+at TP > 1, so one device gets BOOST's grouped projections (``[A_q|A_k|A_v]`` and
+``[A_gate|A_up]`` as one GEMM each, same-shaped B's as one batched GEMM) and every collective
+is a no-op. ``grouping`` off (and the dense model) runs the model's own
+:meth:`~boostlr.models.llama.Block.compute`, the reference math.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import Tensor
 from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel
 from boostlr.models.params import local
+from boostlr.parallel import btp
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
@@ -28,6 +33,8 @@ def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
 def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents]:
+    if ctx.grouping and ctx.cfg.lowrank:
+        return btp.block_forward(block, x, rope, z_prev, ctx)
     return block.compute(x, rope, z_prev)
 
 

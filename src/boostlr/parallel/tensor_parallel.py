@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.collectives import GroupComm, all_reduce_
+from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.sharding import (
     ShardSpec,
@@ -56,6 +57,8 @@ class TensorParallelModel(nn.Module):
             full_shapes = shard_module(model, self.specs, ctx.comm.rank, ctx.comm.size)
         self.full_shapes = full_shapes
         self.model = model
+        forward = self.strategy.block_forward
+        self._block_forward = compiled(forward) if ctx.compile else forward
 
     # ------------------------------------------------------------------ forward
 
@@ -75,8 +78,9 @@ class TensorParallelModel(nn.Module):
             x, *zs = inputs
             z = dict(zip(LATENT_NAMES, zs, strict=True)) if zs else None
         rope = rope_tables(self.cfg, x.shape[1], device=x.device)
-        for block in self.model.layers.values():
-            x, z = block(x, rope, z, impl=self._block_impl)
+        for index, block in self.model.layers.items():
+            with torch.profiler.record_function(f"block.{index}"):
+                x, z = block(x, rope, z, impl=self._block_impl)
         if not self.model.last:
             return (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else x
         logits = s.head_logits(self.model, x, ctx)
@@ -87,7 +91,7 @@ class TensorParallelModel(nn.Module):
 
         LaX latents travel through the checkpoint as extra tensor inputs/outputs.
         """
-        forward, ctx = self.strategy.block_forward, self.ctx
+        forward, ctx = self._block_forward, self.ctx
         if ctx.act_ckpt != "block":
             return forward(block, x, rope, z_prev, ctx)
         names = LATENT_NAMES if self.cfg.arch == "lax" else ()

@@ -80,5 +80,7 @@ def vocab_parallel_cross_entropy(
 ) -> Tensor:
     """``logits [N, V/t]`` (this rank's vocab slice), ``targets [N]`` -> mean loss."""
     if comm.size == 1:
-        return F.cross_entropy(logits.float()[:, :vocab_size], targets)
+        if logits.shape[-1] != vocab_size:  # a no-op slice would still cost a zero-fill in bwd
+            logits = logits[:, :vocab_size]
+        return F.cross_entropy(logits.float(), targets)
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_size, comm)

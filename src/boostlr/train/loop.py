@@ -34,6 +34,7 @@ from boostlr.errors import (
 from boostlr.faults import crash_point
 from boostlr.fsutil import write_text_atomic
 from boostlr.models.counting import flops_per_token
+from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
 from boostlr.parallel.tensor_parallel import load_full_optimizer_state
@@ -55,12 +56,15 @@ from boostlr.train.optim import (
     reanchor,
     set_lr,
 )
+from boostlr.train.perf import peak_flops, peak_memory_mb
+from boostlr.train.profiling import StepProfiler
 from boostlr.train.resume import check_resume_config, pick_checkpoint
 from boostlr.train.sinks import open_sinks
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
+COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_time_s
 
 
 @dataclass
@@ -104,6 +108,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     launch the ranks in process, or join the ones torchrun/srun started.
     """
     device = resolve_device(cfg.parallel.device)
+    if cfg.train.compile:
+        check_toolchain(device)
     datasets = open_datasets(cfg)
     bind_vocab(cfg, datasets[0])
     world = cfg.parallel.world_size
@@ -383,9 +389,13 @@ def _run(state: RunState, console: bool) -> TrainResult:
         else nullcontext()
     )
     ledger = model.comms.ledger
+    # MFU: the job's model FLOP/s over the peak of all its devices (omitted when unknown).
+    peak = peak_flops(state.device, t.dtype)
+    job_peak = peak * cfg.parallel.world_size if peak else None
     sinks = open_sinks(cfg, run_dir, start_step) if state.rank == 0 else []
     metrics = MetricsLog(run_dir / METRICS_FILE, sinks) if state.rank == 0 else None
     progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
+    profiler = StepProfiler(t.profile_steps, run_dir, state.rank, state.device)
     if restart_attempt() > 0:
         if metrics is not None:
             metrics.write({"event": "restart", "step": start_step, "attempt": restart_attempt()})
@@ -394,8 +404,10 @@ def _run(state: RunState, console: bool) -> TrainResult:
         progress.print(f"resumed {run_dir} at step {start_step}")
     loss_value, val_loss = float("nan"), None
     window_time, window_steps = 0.0, 0
+    window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
     try:
         for step in range(start_step + 1, t.steps + 1):
+            profiler.before_step(step)
             started = time.perf_counter()
             ledger.reset()
             lr = state.lr(step - 1)
@@ -404,10 +416,11 @@ def _run(state: RunState, console: bool) -> TrainResult:
             total = torch.zeros((), device=state.device)
             for _ in range(t.grad_accum):
                 inputs, targets = next(state.loader)
-                with autocast:
+                with autocast, torch.profiler.record_function("forward_backward"):
                     total += model.forward_backward(inputs, targets)
             loss_value = model.global_mean(total / t.grad_accum)
-            grad_norm = model.clip_gradients(t.grad_clip)
+            with torch.profiler.record_function("clip_gradients"):
+                grad_norm = model.clip_gradients(t.grad_clip)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 state.writer.wait()
                 kept = newest_checkpoint(run_dir / "checkpoints")
@@ -417,16 +430,22 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     f"stopped without saving (last good checkpoint: {kept}); lower --train.lr "
                     "or use --train.dtype float32, then --resume"
                 )
-            optimizer.step()
+            with torch.profiler.record_function("optimizer.step"):
+                optimizer.step()
             crash_point("step", state.rank, step)
             if state.device.type == "cuda":
                 torch.cuda.synchronize()
             window_time += time.perf_counter() - started
             window_steps += 1
+            blocked = ledger.seconds()
+            for group in COMM_GROUPS:
+                window_comm[group] += blocked.get(group, 0.0)
 
             row = None
             if step % t.log_every == 0 or step == t.steps or step == start_step + 1:
                 step_time = window_time / window_steps
+                comm = {g: window_comm[g] / window_steps for g in COMM_GROUPS}
+                flops_per_s = flops_tok * tokens_per_step / step_time
                 row = {
                     "step": step,
                     "loss": loss_value,
@@ -435,12 +454,20 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     "tokens_per_s": tokens_per_step / step_time,
                     "step_time_s": step_time,
                     "tokens": step * tokens_per_step,
-                    "flops_per_s": flops_tok * tokens_per_step / step_time,
+                    "flops_per_s": flops_per_s,
                     **model.step_metrics(),
+                    **{f"comm_{g}_time_s": comm[g] for g in COMM_GROUPS},
+                    # CUDA FSDP streams may overlap compute: never report negative compute.
+                    "compute_time_s": max(0.0, step_time - sum(comm.values())),
+                    "peak_mem_mb": peak_memory_mb(state.device),
                 }
+                if job_peak:
+                    row["mfu"] = flops_per_s / job_peak
                 if metrics is not None:
                     metrics.write(row)
                 window_time, window_steps = 0.0, 0
+                window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
+            profiler.after_step(step)
             if step % t.eval_every == 0 or step == t.steps:
                 val_loss = model.evaluate(state.val_data, autocast)
                 if metrics is not None:
@@ -456,6 +483,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
             progress.update(step, row)
     finally:
+        profiler.close()
         state.writer.close()  # a save still in flight is finished, not dropped
         progress.close()
         if metrics is not None:

@@ -89,6 +89,16 @@ def _finite_or_str(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def format_stats(row: dict[str, Any]) -> str:
+    """Loss, lr, throughput, MFU (when the device's peak is known) and peak memory."""
+    stats = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s"
+    if "mfu" in row:
+        stats += f"  MFU {100 * row['mfu']:.1f}%"
+    if "peak_mem_mb" in row:
+        stats += f"  mem {row['peak_mem_mb']:,.0f} MB"
+    return stats
+
+
 class ConsoleProgress:
     """A rich progress bar on a terminal; plain log lines when output is piped (CI, files)."""
 
@@ -119,7 +129,7 @@ class ConsoleProgress:
     def update(self, step: int, row: dict[str, Any] | None) -> None:
         stats = None
         if row is not None:
-            stats = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s"
+            stats = format_stats(row)
         if self._progress is not None:
             kwargs = {"completed": step}
             if stats:

@@ -1,0 +1,59 @@
+"""Utilisation for the metrics log: the device's peak FLOP/s (for MFU) and peak memory.
+
+GPU peaks come from the cost model's shipped hardware profiles, matched by the CUDA device
+name. A CPU has no data sheet we can trust (turbo, AVX-512/AMX, shared cores), so its peak is
+the ``local`` profile that ``boostlr calibrate`` measured on this machine; without one MFU is
+left out of the log rather than guessed.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from boostlr.analysis.hardware import load_profile, user_dir
+from boostlr.errors import ConfigError
+
+# Substrings of ``torch.cuda.get_device_name()`` -> shipped profile (first match wins).
+GPU_PROFILES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("H200",), "h200"),
+    (("H100", "SXM"), "h100-sxm"),
+    (("H100", "HBM3"), "h100-sxm"),  # "NVIDIA H100 80GB HBM3" is the SXM part
+    (("A100", "80GB"), "a100-80gb"),
+    (("A100",), "a100-40gb"),
+)
+
+
+def gpu_profile_name(device_name: str) -> str | None:
+    """The shipped profile for a CUDA device name, or ``None`` (e.g. H100 PCIe, consumer GPUs)."""
+    for needles, profile in GPU_PROFILES:
+        if all(n in device_name for n in needles):
+            return profile
+    return None
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """Dense-matmul peak FLOP/s of one device in ``dtype`` (``float32``/``bfloat16``), if known.
+
+    fp32 on NVIDIA GPUs is the non-tensor-core peak (TF32 off, torch's default for matmuls).
+    """
+    if device.type == "cuda":
+        name = gpu_profile_name(torch.cuda.get_device_name(device))
+    else:
+        name = "local" if (user_dir() / "local.toml").is_file() else None
+    if name is None:
+        return None
+    try:
+        return load_profile(name).flops(dtype)
+    except ConfigError:
+        return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: the allocator's high-water mark; CPU: the process's high-water RSS (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes vs KiB
