@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from boostlr.analysis.comm import (
+    CommVolume,
     fsdp_bytes,
     fsdp_pipeline_bytes,
     per_block_forward,
@@ -51,7 +52,7 @@ from boostlr.analysis.memory import (
     rank_params,
     stage_modules,
 )
-from boostlr.config import PRESETS, RunConfig
+from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
 
 ELEMENTWISE_KERNELS_PER_BLOCK = 40  # forward kernel launches besides GEMMs (estimate)
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
@@ -117,18 +118,7 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
     pp_bytes = 0
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         if strategy is not None:
-            vol = tp_comm_volume(
-                replace(m, n_layers=len(layers)),
-                strategy,
-                p.tp,
-                tokens,
-                norm=p.norm,
-                grouping=p.grouping,
-                act_ckpt=p.act_ckpt,
-                act_size=a,
-                first=first,
-                last=last,
-            )
+            vol = _stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
             for k, v in vol.metrics(mb * steps).items():
                 tp[k.removeprefix("comm_tp_")] += v
         if p.pp > 1:
@@ -241,18 +231,7 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
         out.fwd += fwd
         out.bwd += bwd
         if strategy is not None and p.tp > 1:
-            vol = tp_comm_volume(
-                replace(m, n_layers=len(layers)),
-                strategy,
-                p.tp,
-                tokens,
-                norm=p.norm,
-                grouping=p.grouping,
-                act_ckpt=p.act_ckpt,
-                act_size=a,
-                first=first,
-                last=last,
-            )
+            vol = _stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
             # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
             out.tp_comm += collective_time("all_reduce", vol.total, vol.calls, p.tp, p.tp, hw)
     return out
@@ -482,4 +461,29 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             for g in gemms
         ],
         flops_per_rank=steps * mb * slowest.flops,
+    )
+
+
+def _stage_volume(
+    m: ModelConfig,
+    p: ParallelConfig,
+    strategy: str,
+    tokens: int,
+    act: int,
+    n_layers: int,
+    first: bool,
+    last: bool,
+) -> CommVolume:
+    """The ledger's TP traffic of one pipeline stage (its layers, embedding and head)."""
+    return tp_comm_volume(
+        replace(m, n_layers=n_layers),
+        strategy,
+        p.tp,
+        tokens,
+        norm=p.norm,
+        grouping=p.grouping,
+        act_ckpt=p.act_ckpt,
+        act_size=act,
+        first=first,
+        last=last,
     )
