@@ -230,7 +230,8 @@ def build_imported_model(cfg: RunConfig, state: dict[str, torch.Tensor]) -> Llam
 
 def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = None) -> ImportResult:
     """Write the run directory ``out`` (atomically: a temp dir renamed into place)."""
-    from boostlr.train.loop import CONFIG_FILE, TOKENIZER_FILE, layout_of
+    from boostlr.train.loop import CONFIG_FILE
+    from boostlr.train.state import TOKENIZER_FILE, layout_of
 
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -252,7 +253,7 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
         state, errors = lowrank_state(state, cfg)
     model = build_imported_model(cfg, state)
 
-    # What loop._save writes, at step 0: weights, zero AdamW moments for every parameter,
+    # What state.save writes, at step 0: weights, zero AdamW moments for every parameter,
     # the data position at the start, the schedule, the RNG, the config and layout.
     optimizer = build_optimizer(model.parameters(), cfg.train)
     init_optimizer_state(optimizer)

@@ -27,7 +27,6 @@ from boostlr.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     BoostlrError,
-    CheckpointError,
     ConfigError,
     TrainingDiverged,
 )
@@ -37,33 +36,26 @@ from boostlr.models.counting import flops_per_token
 from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
-from boostlr.parallel.tensor_parallel import load_full_optimizer_state
 from boostlr.train.checkpoint import (
     Checkpoint,
     CheckpointWriter,
-    load_model_state,
-    load_sharded_state,
-    load_trainer_state,
     newest_checkpoint,
     read_checkpoint,
 )
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
 from boostlr.train.optim import (
-    Anchor,
     build_optimizer,
     init_optimizer_state,
-    lr_at,
-    reanchor,
     set_lr,
 )
 from boostlr.train.perf import peak_flops, peak_memory_mb
 from boostlr.train.profiling import StepProfiler
 from boostlr.train.resume import check_resume_config, pick_checkpoint
 from boostlr.train.sinks import open_sinks
+from boostlr.train.state import TOKENIZER_FILE, RunState, restore, save
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
-TOKENIZER_FILE = "tokenizer.json"
 COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_time_s
 
 
@@ -252,30 +244,6 @@ def _write_run_dir(cfg: RunConfig, run_dir: Path, dataset: TokenDataset) -> None
     write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
 
 
-@dataclass
-class RunState:
-    """What the step loop advances: this rank's model part, optimizer and data position."""
-
-    cfg: RunConfig
-    run_dir: Path
-    model: ParallelModel
-    optimizer: torch.optim.Optimizer
-    loader: BatchLoader
-    val_data: list[tuple[torch.Tensor, torch.Tensor]]
-    device: torch.device
-    writer: CheckpointWriter
-    rank: int
-    start_step: int = 0
-    lr_anchor: Anchor | None = None
-
-    @property
-    def distributed(self) -> bool:
-        return self.model.comms.mesh is not None
-
-    def lr(self, step: int) -> float:
-        return lr_at(step, self.cfg.train, self.lr_anchor)
-
-
 def _train_rank(
     cfg: RunConfig,
     run_dir: Path,
@@ -310,71 +278,10 @@ def _train_rank(
     state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank)
     if ckpt_path is not None:
         # Verified before any rank started (or by rank 0); read it as it is.
-        _restore(state, read_checkpoint(Path(ckpt_path)))
+        restore(state, read_checkpoint(Path(ckpt_path)))
     if rank == 0 and (ckpt_path is not None or restart_attempt() > 0):
         truncate_after(run_dir / METRICS_FILE, state.start_step)
     return _run(state, console)
-
-
-def _restore(state: RunState, ckpt: Checkpoint) -> None:
-    """Weights, AdamW moments, data position, RNG and schedule — at any layout."""
-    if ckpt.sharded:
-        load_sharded_state(ckpt, sharded_state(state), state.model.comms.ckpt_group)
-    else:
-        _restore_single_file(state, ckpt)
-    trainer, rng = load_trainer_state(ckpt, state.rank)
-    state.loader.load_state_dict(trainer["loader"])
-    torch.set_rng_state(rng["cpu"])
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            if f"cuda{i}" in rng:
-                torch.cuda.set_rng_state(rng[f"cuda{i}"], i)
-    state.start_step = ckpt.step
-    schedule = trainer.get("lr_schedule") or {}
-    anchor = tuple(schedule["anchor"]) if schedule.get("anchor") else None
-    saved_train = from_dict(ckpt.meta["config"]).train
-    state.lr_anchor = reanchor(saved_train, anchor, state.cfg.train, ckpt.step)
-
-
-def _restore_single_file(state: RunState, ckpt: Checkpoint) -> None:
-    """A format-1 checkpoint (one process, full tensors); the next save converts it."""
-    if state.distributed:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} is an old single-file checkpoint: resume it once in one "
-            "process (parallel degrees 1) to convert it, then at any layout"
-        )
-    (part,) = state.model.stages
-    weights = load_model_state(ckpt)
-    missing, unexpected = part.model.load_state_dict(weights, strict=False)
-    tied_only = missing == ["lm_head.weight"] and part.cfg.tie_embeddings
-    if unexpected or (missing and not tied_only):
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}): resume with the run's own config"
-        )
-    trainer, _ = load_trainer_state(ckpt, 0)
-    load_full_optimizer_state(part, state.optimizer, trainer["optimizer"])
-
-
-def layout_of(cfg: RunConfig) -> dict:
-    p = cfg.parallel
-    return {
-        "pp": p.pp,
-        "dp": p.dp,
-        "tp": p.tp,
-        "strategy": p.strategy_for(cfg.model.arch),
-        "stages_per_rank": p.virtual_stages,
-        "dp_mode": p.dp_mode if p.dp > 1 else None,
-    }
-
-
-def sharded_state(state: RunState) -> dict:
-    """Model and optimizer state by global parameter name (this rank's DTensor shards)."""
-    named = state.model.named_parameters()
-    return {
-        "model": dict(named),
-        "optim": {name: state.optimizer.state[p] for name, p in named},
-    }
 
 
 def _run(state: RunState, console: bool) -> TrainResult:
@@ -478,7 +385,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     f"step {step:>6}  val_loss {val_loss:.4f}  ppl {math.exp(val_loss):.1f}"
                 )
             if step % t.ckpt_every == 0 or step == t.steps:
-                blocked = _save(state, step)
+                blocked = save(state, step)
                 if metrics is not None:
                     metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
             progress.update(step, row)
@@ -493,24 +400,3 @@ def _run(state: RunState, console: bool) -> TrainResult:
             f"done: step {t.steps}, loss {loss_value:.4f}, val_loss {val_loss:.4f}, run {run_dir}"
         )
     return TrainResult(run_dir, t.steps, loss_value, val_loss)
-
-
-def _save(state: RunState, step: int) -> float:
-    """Every rank writes its own shards (no gather); returns the seconds the loop blocked."""
-    cfg, run_dir = state.cfg, state.run_dir
-    trainer = {
-        "step": step,
-        "loader": state.loader.state_dict(),
-        "lr_schedule": {"steps": cfg.train.steps, "anchor": state.lr_anchor},
-    }
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    meta = {
-        "config": to_dict(cfg),
-        "layout": layout_of(cfg),
-        "world_size": cfg.parallel.world_size,
-    }
-    return state.writer.save(
-        step, sharded_state(state), trainer, rng, meta, {TOKENIZER_FILE: run_dir / TOKENIZER_FILE}
-    )

@@ -1,0 +1,135 @@
+"""What a rank trains (:class:`RunState`) and how it goes into and out of a checkpoint.
+
+The step loop in :mod:`boostlr.train.loop` advances a RunState; this module turns one into
+the checkpoint's state dict (this rank's shards by global name), saves it, and restores it
+at any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from boostlr.config import RunConfig, from_dict, to_dict
+from boostlr.data import BatchLoader
+from boostlr.errors import CheckpointError
+from boostlr.parallel.engine import ParallelModel
+from boostlr.parallel.tensor_parallel import load_full_optimizer_state
+from boostlr.train.checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    load_model_state,
+    load_sharded_state,
+    load_trainer_state,
+)
+from boostlr.train.optim import Anchor, lr_at, reanchor
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class RunState:
+    """What the step loop advances: this rank's model part, optimizer and data position."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader
+    val_data: list[tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+    writer: CheckpointWriter
+    rank: int
+    start_step: int = 0
+    lr_anchor: Anchor | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.model.comms.mesh is not None
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.cfg.train, self.lr_anchor)
+
+
+def restore(state: RunState, ckpt: Checkpoint) -> None:
+    """Weights, AdamW moments, data position, RNG and schedule — at any layout."""
+    if ckpt.sharded:
+        load_sharded_state(ckpt, sharded_state(state), state.model.comms.ckpt_group)
+    else:
+        _restore_single_file(state, ckpt)
+    trainer, rng = load_trainer_state(ckpt, state.rank)
+    state.loader.load_state_dict(trainer["loader"])
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda{i}" in rng:
+                torch.cuda.set_rng_state(rng[f"cuda{i}"], i)
+    state.start_step = ckpt.step
+    schedule = trainer.get("lr_schedule") or {}
+    anchor = tuple(schedule["anchor"]) if schedule.get("anchor") else None
+    saved_train = from_dict(ckpt.meta["config"]).train
+    state.lr_anchor = reanchor(saved_train, anchor, state.cfg.train, ckpt.step)
+
+
+def _restore_single_file(state: RunState, ckpt: Checkpoint) -> None:
+    """A format-1 checkpoint (one process, full tensors); the next save converts it."""
+    if state.distributed:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} is an old single-file checkpoint: resume it once in one "
+            "process (parallel degrees 1) to convert it, then at any layout"
+        )
+    (part,) = state.model.stages
+    weights = load_model_state(ckpt)
+    missing, unexpected = part.model.load_state_dict(weights, strict=False)
+    tied_only = missing == ["lm_head.weight"] and part.cfg.tie_embeddings
+    if unexpected or (missing and not tied_only):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}): resume with the run's own config"
+        )
+    trainer, _ = load_trainer_state(ckpt, 0)
+    load_full_optimizer_state(part, state.optimizer, trainer["optimizer"])
+
+
+def layout_of(cfg: RunConfig) -> dict:
+    p = cfg.parallel
+    return {
+        "pp": p.pp,
+        "dp": p.dp,
+        "tp": p.tp,
+        "strategy": p.strategy_for(cfg.model.arch),
+        "stages_per_rank": p.virtual_stages,
+        "dp_mode": p.dp_mode if p.dp > 1 else None,
+    }
+
+
+def sharded_state(state: RunState) -> dict:
+    """Model and optimizer state by global parameter name (this rank's DTensor shards)."""
+    named = state.model.named_parameters()
+    return {
+        "model": dict(named),
+        "optim": {name: state.optimizer.state[p] for name, p in named},
+    }
+
+
+def save(state: RunState, step: int) -> float:
+    """Every rank writes its own shards (no gather); returns the seconds the loop blocked."""
+    cfg, run_dir = state.cfg, state.run_dir
+    trainer = {
+        "step": step,
+        "loader": state.loader.state_dict(),
+        "lr_schedule": {"steps": cfg.train.steps, "anchor": state.lr_anchor},
+    }
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    meta = {
+        "config": to_dict(cfg),
+        "layout": layout_of(cfg),
+        "world_size": cfg.parallel.world_size,
+    }
+    return state.writer.save(
+        step, sharded_state(state), trainer, rng, meta, {TOKENIZER_FILE: run_dir / TOKENIZER_FILE}
+    )
