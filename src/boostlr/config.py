@@ -157,6 +157,10 @@ class TrainConfig:
     # "A:B" writes a torch.profiler trace (Chrome/Perfetto JSON) of steps A..B into the run
     # directory, one file per rank; "" = off.
     profile_steps: str = ""
+    # CPU: keep freed host memory in the process (glibc mallopt: no mmap for big blocks, no
+    # trim), so the large tensors every step reallocates skip the kernel's page faults.
+    # Measured 1.2x (fp32) to 1.7x (bf16) on the 60M shape, for about 1.3x the peak RSS.
+    cpu_alloc_cache: bool = True
     # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
     # x dp. When set it derives grad_accum (it must divide evenly).
     global_batch: int = 0

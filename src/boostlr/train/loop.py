@@ -42,6 +42,7 @@ from boostlr.train.checkpoint import (
     newest_checkpoint,
     read_checkpoint,
 )
+from boostlr.train.host_alloc import keep_freed_host_memory
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
 from boostlr.train.optim import (
     build_optimizer,
@@ -256,6 +257,8 @@ def _train_rank(
     torch.manual_seed(cfg.train.seed)
     if device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
+        if cfg.train.cpu_alloc_cache:
+            keep_freed_host_memory()
     model = ParallelModel.build(cfg, device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     train_ds, val_ds = datasets or open_datasets(cfg)
