@@ -3,8 +3,9 @@
 Issue 8's goal: with the ``local`` profile (written by ``boostlr calibrate`` from measurements
 on this machine), the predicted step times of ``full`` + ``megatron``, ``cola`` + ``vanilla``
 and ``cola`` + ``btp`` at TP 2 on two gloo CPU ranks are within ±25% of measured. One launch
-builds the three models (``ParallelModel``, the trainer's path: DTensor shards, non-fused
-AdamW) and times them in interleaved rounds, so machine noise hits all three alike. A step is
+builds the three models (``ParallelModel``, the trainer's path: DTensor shards, fused
+AdamW, the host allocator cache) and times them in interleaved rounds, so machine noise hits
+all three alike. A step is
 what the trainer times: zero_grad, forward + backward, gradient clipping, AdamW; the median
 over ``--steps`` rounds after ``--warmup``, barrier to barrier (the slower rank's time, which
 is what the model predicts). ``rank CPU s`` is the main thread's CPU time over the same step
@@ -22,8 +23,9 @@ What a first run on this (shared, loaded) 2-core VM showed the model was missing
 was changed in it, each from a measurement or from torch's own code, none fitted to this
 benchmark:
 
-* The optimizer step. The trainer fuses AdamW only in one process; over DTensor shards it
-  runs torch's unfused AdamW: 8 passes, 84 bytes per parameter instead of one 28-byte pass,
+* The optimizer step. The trainer then fused AdamW only in one process; over DTensor shards
+  it ran torch's unfused AdamW (now fused there too): 8 passes, 84 bytes per parameter
+  instead of one 28-byte pass,
   and on a CPU one dispatch per parameter tensor per pass (torch defaults to foreach only on
   GPUs). Gradient clipping (a norm and a scale, 12 bytes per parameter, and a scalar
   all-reduce per mesh dim) was not modelled at all. ``costmodel.optimizer_time``;
@@ -38,7 +40,7 @@ benchmark:
 
 Known and not modelled (expect the measurement above the prediction by these): DTensor's
 Python dispatch (tens of µs per op on a DTensor versus a few on a tensor) on every parameter
-each step (``from_local`` / ``to_local`` in the strategies, and each unfused AdamW op);
+each step (``from_local`` / ``to_local`` in the strategies);
 element-wise kernels costed by bytes only, while a CPU's exp / SiLU / σ are compute-bound;
 and the cores the two ranks and gloo's threads share. ``rank CPU s`` shows how much of a gap
 is this rank's own work rather than waiting.
@@ -88,6 +90,7 @@ def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> 
 
     from boostlr.parallel.engine import ParallelModel
     from boostlr.parallel.launch import init_distributed
+    from boostlr.train.host_alloc import keep_freed_host_memory
     from boostlr.train.optim import build_optimizer
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -95,10 +98,11 @@ def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> 
     device = torch.device("cpu")
     init_distributed(device, TP)
     torch.set_num_threads(threads)  # after init_distributed, which applies OMP_NUM_THREADS
+    keep_freed_host_memory()  # as the trainer on CPU (train.cpu_alloc_cache, default on)
     runs = []
     for cfg in cfgs:
         model = ParallelModel.build(cfg, device)
-        optimizer = build_optimizer(model.parameters(), cfg.train, fused=False)  # as the trainer
+        optimizer = build_optimizer(model.parameters(), cfg.train)  # fused, as the trainer
         runs.append((cfg, model, optimizer))
     gen = torch.Generator().manual_seed(0)
     b, s = cfgs[0].train.batch_size, cfgs[0].data.seq_len

@@ -7,7 +7,8 @@ is never vendored: check it out anywhere and give this script a Python that can 
     git clone https://github.com/alvin-zyl/CoLA /tmp/cola-ref
     python -m venv /tmp/cola-venv
     /tmp/cola-venv/bin/pip install torch==2.13.0 "transformers==4.53.*"
-    python benchmarks/vs_reference.py --ref-repo /tmp/cola-ref --ref-python /tmp/cola-venv/bin/python
+    python benchmarks/vs_reference.py --ref-repo /tmp/cola-ref \
+        --ref-python /tmp/cola-venv/bin/python
 
 Both sides train the reference's 60M config (dim 512, 8 layers, 8 heads, ffn 1376, rank 128,
 vocabulary 32000, CoLA in every projection plus the SwiGLU activation) on the same random
@@ -101,7 +102,7 @@ def child_boostlr(args: argparse.Namespace) -> dict:
     )
     cfg.model.vocab_size = SHAPE["vocab"]
     comm = GroupComm(None, "tp", CommLedger())
-    ctx = TPContext(comm, cfg.model, grouping=os.environ.get("NOGROUP") is None, compile=args.compile)
+    ctx = TPContext(comm, cfg.model, grouping=not args.no_grouping, compile=args.compile)
     model = TensorParallelModel(build_model(cfg.model, seed=0), None, ctx)
     optimizer = build_optimizer(model.parameters(), cfg.train)
     tokens = _tokens(torch)
@@ -131,6 +132,7 @@ def _run_child(variant: str, dtype: str, args: argparse.Namespace) -> float:
     cmd += ["--dtype", dtype, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--threads", str(args.threads), "--ref-repo", args.ref_repo]
     cmd += ["--compile"] if compiled else []
+    cmd += ["--no-grouping"] if args.no_grouping else []
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if variant == "ref+alloc":
         env.update(GLIBC_KEEP)
@@ -151,6 +153,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip boostlr+compile (bf16)")
+    parser.add_argument("--no-grouping", action="store_true", help="boostlr's ungrouped block")
     parser.add_argument("--child", choices=("ref", "boostlr"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -188,9 +191,7 @@ def main() -> None:
         ref = statistics.median(times[(dtype, "ref")])
         for name in names:
             step = statistics.median(times[(dtype, name)])
-            print(
-                f"{dtype:<9} {name:<16} {tokens / step:>9,.0f} {step:>7.3f} {ref / step:>6.2f}x"
-            )
+            print(f"{dtype:<9} {name:<16} {tokens / step:>9,.0f} {step:>7.3f} {ref / step:>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ formulas the tests check against the ledger of real runs, so ``comm_metrics`` is
   ``eff`` falling for small dims (``HardwareProfile.gemm_eff``, fitted from measurements);
 * element-wise work (norms, σ, RoPE, residual adds, the loss) from memory bandwidth;
   attention kernels on the GEMM roofline times the profile's ``attention_efficiency``;
-* the optimizer step as the trainer runs it: gradient clipping, then fused AdamW in one
-  process or torch's unfused (8-pass) AdamW over DTensor shards (:func:`optimizer_time`);
+* the optimizer step as the trainer runs it: gradient clipping, then fused AdamW
+  (:func:`optimizer_time`);
 * alpha-beta collectives: ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
   reduce-scatter half of that, point-to-point ``α + n/B``, on the intra- or inter-node link
   the group spans (ranks are laid out tp-fastest, then dp, then pp);
@@ -56,21 +56,10 @@ from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
 
 ELEMENTWISE_KERNELS_PER_BLOCK = 40  # forward kernel launches besides GEMMs (estimate)
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
-# foreach ops), then fused AdamW in one process, torch's unfused AdamW over DTensor shards
-# otherwise (foreach on a GPU, one tensor at a time on a CPU). fp32 bytes per parameter of
-# each op, every operand read and every result written once (tests/test_costmodel.py counts
-# them in torch's own implementation):
+# foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
+# DTensor shards alike. fp32 bytes per parameter, every operand read and every result written
+# once (tests/test_costmodel.py checks torch dispatches one op for it):
 FUSED_ADAMW_BYTES = 28  # one kernel: read p, g, m, v; write p, m, v
-UNFUSED_ADAMW_PASSES = (
-    8,  # p.mul_(1 - lr * wd)
-    12,  # m.lerp_(g, 1 - beta1)
-    8,  # v.mul_(beta2)
-    16,  # v.addcmul_(g, g, 1 - beta2)
-    8,  # d = v.sqrt()
-    8,  # d = d / sqrt(bias_correction2)
-    8,  # d.add_(eps)
-    16,  # p.addcdiv_(m, d, -step_size)
-)
 CLIP_PASSES = (4, 8)  # _foreach_norm (read g), then clip_grads_with_norm_'s _foreach_mul_
 
 
@@ -240,21 +229,15 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
 def optimizer_time(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> float:
     """Gradient clipping and the AdamW step on one rank's shard, as the trainer runs them.
 
-    Memory-bound passes over the fp32 shard; the trainer fuses AdamW only in one process.
-    Unfused, each pass is one dispatch per parameter tensor on a CPU (torch's AdamW defaults
-    to foreach only on GPUs) and one multi-tensor dispatch on a GPU. The clipping norm is
-    all-reduced (a scalar) over every mesh dim of size > 1.
+    Memory-bound passes over the fp32 shard: the clipping norm and scale, then one fused
+    AdamW kernel (DTensor shards included). The clipping norm is all-reduced (a scalar) over
+    every mesh dim of size > 1.
     """
     p = cfg.parallel
     shard = params.sharded if p.dp > 1 else params.local
     clip = CLIP_PASSES if cfg.train.grad_clip > 0 else CLIP_PASSES[:1]  # the norm is logged
     step = memory_time(sum(clip) * shard, hw, len(clip))
-    if p.world_size == 1:
-        step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
-    else:
-        per_tensor = params.tensors if hw.device == "cpu" else 1
-        passes = UNFUSED_ADAMW_PASSES
-        step += memory_time(sum(passes) * shard, hw, len(passes) * per_tensor)
+    step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
     for size, span in ((p.tp, p.tp), (p.dp, p.tp * p.dp), (p.pp, p.world_size)):
         step += collective_time("all_reduce", FP32, 1, size, span, hw)
     return step
