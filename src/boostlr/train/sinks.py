@@ -122,8 +122,8 @@ class WandbSink:
     def write(self, row: dict[str, Any]) -> None:
         step = row.get("step")
         values = {k: v for k, v in scalars(row).items() if math.isfinite(v)}
-        # W&B history only moves forward: an online resume starts at the run's last step + 1,
-        # and wandb drops the re-done steps below it with a console warning for each row.
+        # W&B history only moves forward: after an online resume ``run.step`` is past the steps
+        # W&B already holds, and wandb would drop re-done rows below it with a warning each.
         if isinstance(step, int) and values and step >= self._run.step:
             self._run.log(values, step=step)
 
