@@ -303,7 +303,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
     # MFU: the job's model FLOP/s over the peak of all its devices (omitted when unknown).
     peak = peak_flops(state.device, t.dtype)
     job_peak = peak * cfg.parallel.world_size if peak else None
-    sinks = open_sinks(cfg, run_dir, start_step) if state.rank == 0 else []
+    sinks = open_sinks(cfg, run_dir, start_step, quiet=not console) if state.rank == 0 else []
     metrics = MetricsLog(run_dir / METRICS_FILE, sinks) if state.rank == 0 else None
     progress = ConsoleProgress(t.steps, start_step, enabled=console and state.rank == 0)
     profiler = StepProfiler(t.profile_steps, run_dir, state.rank, state.device)
@@ -316,6 +316,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
     loss_value, val_loss = float("nan"), None
     window_time, window_steps = 0.0, 0
     window_comm = dict.fromkeys(COMM_GROUPS, 0.0)
+    finished = False
     try:
         for step in range(start_step + 1, t.steps + 1):
             profiler.before_step(step)
@@ -393,12 +394,13 @@ def _run(state: RunState, console: bool) -> TrainResult:
                 if metrics is not None:
                     metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
             progress.update(step, row)
+        finished = True
     finally:
         profiler.close()
         state.writer.close()  # a save still in flight is finished, not dropped
         progress.close()
         if metrics is not None:
-            metrics.close()
+            metrics.close(ok=finished)
     if val_loss is not None:
         progress.print(
             f"done: step {t.steps}, loss {loss_value:.4f}, val_loss {val_loss:.4f}, run {run_dir}"

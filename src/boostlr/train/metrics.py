@@ -40,10 +40,11 @@ class MetricsLog:
         for sink in self.sinks:
             sink.write(row)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """``ok=False``: the run is ending by an exception (the sinks may record it failed)."""
         self._fh.close()
         for sink in self.sinks:
-            sink.close()
+            sink.close(ok)
 
 
 def truncate_after(path: Path, step: int) -> None:
