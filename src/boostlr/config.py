@@ -200,6 +200,9 @@ class ParallelConfig:
     # Seconds a collective may wait on any process group (subgroups included) before the
     # run fails instead of hanging.
     timeout_s: float = 600.0
+    # CPU: bind each local rank to its own slice of the cores (gloo's threads included) so
+    # ranks do not preempt the peers they wait for; off leaves scheduling to the OS.
+    pin_cores: bool = True
 
     @property
     def world_size(self) -> int:

@@ -78,7 +78,29 @@ def launch(
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-def init_distributed(device: torch.device, expected_world: int, timeout_s: float = 600) -> None:
+def pin_cpu_cores() -> list[int] | None:
+    """Bind this rank to its own slice of the cores it may run on; ``None`` if nothing to do.
+
+    Local ranks otherwise share every core with each other's compute and gloo threads, so
+    one rank's transfer can preempt the peer it is waiting for. Called before the process
+    group exists, so gloo's threads inherit the binding. Left alone when there are fewer
+    cores than local ranks, or when srun already binds each rank (``--cpu-bind``).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    per = len(cores) // local_world
+    srun_bound = os.environ.get("SLURM_CPU_BIND_TYPE", "none").strip(",") not in ("", "none")
+    if local_world <= 1 or per < 1 or srun_bound:
+        return None
+    mine = cores[local_rank * per : (local_rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
+def init_distributed(
+    device: torch.device, expected_world: int, timeout_s: float = 600, pin_cores: bool = False
+) -> None:
     """Join the default process group (gloo on CPU, NCCL on CUDA)."""
     adopt_slurm_env()
     world = int(os.environ["WORLD_SIZE"])
@@ -88,6 +110,8 @@ def init_distributed(device: torch.device, expected_world: int, timeout_s: float
             f"(parallel.pp x dp x tp): start {expected_world} ranks, or change the degrees "
             "(--parallel.dp -1 fills the world)"
         )
+    if pin_cores and device.type == "cpu":
+        pin_cpu_cores()
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if device.type == "cuda":

@@ -140,7 +140,9 @@ def _train_under_launcher(
     datasets: tuple[TokenDataset, TokenDataset],
 ) -> TrainResult:
     """Rank 0 checks the run directory (hashing each file once) and writes it; all follow."""
-    init_distributed(device, cfg.parallel.world_size, cfg.parallel.timeout_s)
+    init_distributed(
+        device, cfg.parallel.world_size, cfg.parallel.timeout_s, cfg.parallel.pin_cores
+    )
     launcher_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if dist.get_rank() == 0 and cfg.parallel.max_restarts > launcher_restarts:
         print(
@@ -194,7 +196,9 @@ def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bo
     device = resolve_device(cfg.parallel.device)
     distributed = cfg.parallel.world_size > 1
     if distributed:
-        init_distributed(device, cfg.parallel.world_size, cfg.parallel.timeout_s)
+        init_distributed(
+            device, cfg.parallel.world_size, cfg.parallel.timeout_s, cfg.parallel.pin_cores
+        )
     rank = dist.get_rank() if distributed else 0
     try:
         if restart_attempt() > 0:
