@@ -454,7 +454,12 @@ def measure_allreduce(
     try:
         results = queue.get(timeout=300)
         if isinstance(results, BaseException):
-            raise results
+            errors = [str(results)]
+            try:  # the other rank's error, usually the cause (this one lost its peer)
+                errors.append(str(queue.get(timeout=5)))
+            except Exception:
+                pass
+            raise RuntimeError("; ".join(reversed(errors)))
     finally:
         for p in procs:
             p.join(timeout=30)
