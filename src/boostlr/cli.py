@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=None, help="profile file (default: <cache>/hardware/local.toml)"
     )
     c.add_argument("--threads", type=int, default=1, help="torch threads per process (ranks)")
+    c.add_argument(
+        "--procs",
+        type=int,
+        default=None,
+        help="processes measuring the compute constants at once, as a local run's ranks share "
+        "the machine (default: 2 when the cores allow, else 1)",
+    )
     v = sub.add_parser(
         "eval",
         help="loss, perplexity and bits per byte of a checkpoint on a whole split",
@@ -255,7 +262,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> None:
     from boostlr.analysis.calibrate import calibrate
 
-    path, profile = calibrate(Path(args.out) if args.out else None, threads=args.threads)
+    out = Path(args.out) if args.out else None
+    path, profile = calibrate(out, threads=args.threads, procs=args.procs)
     print(f"wrote {path}")
     print(profile.to_toml())
 

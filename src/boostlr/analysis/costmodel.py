@@ -6,13 +6,25 @@ formulas the tests check against the ledger of real runs, so ``comm_metrics`` is
 
 * each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, with
   ``eff`` falling for small dims (``HardwareProfile.gemm_eff``, fitted from measurements);
-* element-wise work (norms, σ, RoPE, residual adds, the loss) from memory bandwidth;
   attention kernels on the GEMM roofline times the profile's ``attention_efficiency``;
+* element-wise work (norms, σ, RoPE, products, residual adds, the collectives' copies, BTP's
+  concatenations, gradient accumulation, the loss), forward and backward, as the bytes the
+  strategies' code moves (``gemms.block_elementwise``, checked against a census of what torch
+  dispatches) over the memory bandwidth; σ's exp over the profile's SiLU throughput where
+  that is slower (a CPU core);
+* every dispatched op besides the GEMMs (``gemms.block_ops``, counted the same way): a launch
+  per kernel, the profile's ``host_op`` per view;
+* host work of a distributed run: each DTensor parameter's unwrapping and gradient wrapping
+  per micro-batch and its share of clipping and AdamW per step, boostlr's collective wrappers
+  per call (0 on the GPU profiles: it overlaps their asynchronous kernels; measured by
+  ``boostlr calibrate`` for a CPU, where it adds to the step);
 * the optimizer step as the trainer runs it: gradient clipping, then fused AdamW
   (:func:`optimizer_time`);
 * alpha-beta collectives: ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
   reduce-scatter half of that, point-to-point ``α + n/B``, on the intra- or inter-node link
-  the group spans (ranks are laid out tp-fastest, then dp, then pp);
+  the group spans (ranks are laid out tp-fastest, then dp, then pp); plus, per TP
+  collective, what ranks in lockstep lose waiting for each other (the profile's
+  ``sync_wait``, measured for a CPU);
 * the pipeline: ``(m·v + p - 1)`` slots of one virtual stage's time (the bubble is the
   ``p - 1`` extra), every slot waiting for one receive each way;
 * overlap: FSDP prefetches and reduces in the background, so only the dp time beyond the
@@ -35,12 +47,17 @@ from boostlr.analysis.comm import (
     tp_comm_volume,
 )
 from boostlr.analysis.gemms import (
+    SILU,
+    ElementWise,
     Gemm,
+    OpCount,
     backward,
-    block_elementwise_bytes,
+    block_elementwise,
     block_gemms,
-    head_elementwise_bytes,
+    block_ops,
+    head_elementwise,
     head_gemms,
+    head_ops,
 )
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import (
@@ -54,7 +71,6 @@ from boostlr.analysis.memory import (
 )
 from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
 
-ELEMENTWISE_KERNELS_PER_BLOCK = 40  # forward kernel launches besides GEMMs (estimate)
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
 # foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
 # DTensor shards alike. fp32 bytes per parameter, every operand read and every result written
@@ -141,6 +157,31 @@ def memory_time(nbytes: float, hw: HardwareProfile, kernels: int = 0) -> float:
     return nbytes / (hw.hbm_bandwidth * hw.memory_efficiency) + kernels * hw.launch
 
 
+def elementwise_time(ew: ElementWise, hw: HardwareProfile, act: int) -> tuple[float, float]:
+    """(forward, backward) seconds of non-GEMM kernels: bytes over the memory bandwidth, σ's
+    elements over the profile's SiLU throughput where that is the slower of the two."""
+    out = []
+    for nbytes, elems, passes, rate in (
+        (ew.fwd, ew.silu_fwd, SILU[0], hw.silu_rate),
+        (ew.bwd, ew.silu_bwd, SILU[1], hw.silu_bwd_rate),
+    ):
+        t = memory_time(nbytes, hw)
+        if rate > 0 and elems:  # σ compute-bound: replace its bytes' time by its exp's
+            silu = memory_time(elems * passes * act, hw)
+            t += max(0.0, elems / rate - silu)
+        out.append(t)
+    return out[0], out[1]
+
+
+def ops_time(ops: OpCount, hw: HardwareProfile) -> tuple[float, float]:
+    """(forward, backward) fixed cost of dispatched ops: a launch per kernel, host time per
+    view (0 on GPU profiles, where host work overlaps the kernels)."""
+    return (
+        ops.kernels_fwd * hw.launch + ops.views_fwd * hw.host_op,
+        ops.kernels_bwd * hw.launch + ops.views_bwd * hw.host_op,
+    )
+
+
 def link_bandwidth(hw: HardwareProfile, group: int, span: int) -> tuple[float, float]:
     """(bytes/s, latency) a group of ``group`` ranks spread over ``span`` consecutive ranks
     gets: inside a node of all-to-all links (``intra_mesh``) a group uses only its peers'."""
@@ -171,10 +212,12 @@ class StageTime:
     recompute: float = 0.0
     tp_comm: float = 0.0
     flops: float = 0.0
+    host: float = 0.0  # CPU work besides the ops: DTensor wrapping, collectives' wrappers
+    tp_sync: float = 0.0  # part of tp_comm: waiting for the slower rank (skew)
 
     @property
     def compute(self) -> float:
-        return self.fwd + self.bwd + self.recompute
+        return self.fwd + self.bwd + self.recompute + self.host
 
     @property
     def total(self) -> float:
@@ -197,32 +240,36 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             if key not in per_layer:
                 gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
                 back = [b for g in gemms for b in backward(g)]
+                ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping)
+                ew_f, ew_b = elementwise_time(ew, hw, a)
+                ops_f, ops_b = ops_time(block_ops(m, strategy, p.tp, layer, p.grouping), hw)
                 per_layer[key] = (
-                    sum(gemm_time(g, hw, dtype, a) for g in gemms),
-                    sum(gemm_time(b, hw, dtype, a) for b in back),
+                    sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f + ops_f,
+                    sum(gemm_time(b, hw, dtype, a) for b in back) + ew_b + ops_b,
                     sum(g.flops for g in gemms) + sum(b.flops for b in back),
                 )
             f_time, b_time, flops = per_layer[key]
             fwd, bwd, out.flops = fwd + f_time, bwd + b_time, out.flops + flops
-        ew = block_elementwise_bytes(m, strategy, p.tp, tokens, a) * len(layers)
-        kernels = ELEMENTWISE_KERNELS_PER_BLOCK * len(layers)
-        fwd += memory_time(ew, hw, kernels)
-        bwd += memory_time(2 * ew, hw, 2 * kernels)
         if p.act_ckpt != "none":  # every GEMM of a block sits in a checkpointed region
             out.recompute += fwd
-        if last:
+        if last:  # with the embedding and the RoPE tables (a first stage's, a few %)
             head = head_gemms(m, strategy, p.tp, tokens)
             fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
             bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
-            hb = head_elementwise_bytes(m, strategy, p.tp, tokens, a)
-            fwd += memory_time(hb, hw, 8)
-            bwd += memory_time(2 * hb, hw, 8)
+            ew_f, ew_b = elementwise_time(head_elementwise(m, strategy, p.tp, tokens, a, s), hw, a)
+            ops_f, ops_b = ops_time(head_ops(m, strategy, p.tp), hw)
+            fwd, bwd = fwd + ew_f + ops_f, bwd + ew_b + ops_b
         out.fwd += fwd
         out.bwd += bwd
         if strategy is not None and p.tp > 1:
             vol = _stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
             # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
             out.tp_comm += collective_time("all_reduce", vol.total, vol.calls, p.tp, p.tp, hw)
+            out.host += vol.calls * hw.collective_host  # our collectives' own host work
+            out.tp_sync += vol.calls * hw.sync_wait  # ranks waiting for each other
+            out.tp_comm += vol.calls * hw.sync_wait
+    if p.world_size > 1:  # every parameter a DTensor: unwrapped forward, its grad wrapped
+        out.host += rank_params(m, strategy, p, pp_rank).tensors * hw.dtensor_param
     return out
 
 
@@ -238,6 +285,8 @@ def optimizer_time(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> f
     clip = CLIP_PASSES if cfg.train.grad_clip > 0 else CLIP_PASSES[:1]  # the norm is logged
     step = memory_time(sum(clip) * shard, hw, len(clip))
     step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
+    if p.world_size > 1:  # DTensor dispatch of those list ops, per parameter tensor
+        step += params.tensors * hw.dtensor_step
     for size, span in ((p.tp, p.tp), (p.dp, p.tp * p.dp), (p.pp, p.world_size)):
         step += collective_time("all_reduce", FP32, 1, size, span, hw)
     return step
@@ -418,9 +467,11 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         bubble=bubble,
         parts={
             "gemm_elementwise_s": steps * mb * (slowest.fwd + slowest.bwd),
+            "host_s": steps * mb * slowest.host,
             "recompute_s": steps * mb * slowest.recompute,
             "optimizer_s": optimizer,
             "tp_comm_s": tp_comm,
+            "tp_sync_s": steps * mb * slowest.tp_sync,
             "pp_comm_s": pp_comm,
             "dp_comm_s": dp_total,
             "dp_comm_exposed_s": dp_exposed,

@@ -1,11 +1,16 @@
-"""The GEMMs and element-wise traffic one tensor-parallel rank runs per block (DESIGN §2, §5).
+"""What one tensor-parallel rank dispatches per block: GEMMs, element-wise traffic, op counts.
 
 Shapes follow the strategies' code (``parallel/megatron.py``, ``vanilla.py``, ``btp.py``,
 ``single.py``): a GEMM ``[M, K] @ [K, N]`` with ``K`` the reduction dim. Vanilla TP's B has
 ``K = r/t`` (memory-bound: the paper's point); BTP's A has ``K = d/t`` and writes the full
-``r``; vanilla runs attention on every head of the replicated q/k/v. Element-wise traffic is an
-estimate (bytes read + written by norms, σ, RoPE, products, residual adds, flash attention's
-inputs and outputs); it matters for small shapes and for vanilla's replicated activations.
+``r``; vanilla runs attention on every head of the replicated q/k/v.
+
+Everything else a block runs is counted from the code, forward and backward: the bytes its
+element-wise kernels move (norms, RoPE, σ, products, residual adds, the collectives' copies,
+BTP's concatenations, gradient accumulation: :func:`block_elementwise`) and how many ops torch
+dispatches besides the GEMMs (:func:`block_ops`: each costs a fixed CPU time, a launch on a
+GPU). ``tests/test_costmodel.py`` checks both against a census of what torch really
+dispatches (``tests/op_census.py``) for every strategy and arch.
 """
 
 from __future__ import annotations
@@ -140,40 +145,288 @@ def head_gemms(cfg: ModelConfig, strategy: str | None, tp: int, tokens: int) -> 
     return [Gemm("lm_head", tokens, cfg.dim, -(-cfg.vocab_size // t))]
 
 
-def block_elementwise_bytes(
-    cfg: ModelConfig, strategy: str | None, tp: int, tokens: int, act: int
-) -> float:
-    """Estimated bytes read + written by one block's non-GEMM forward kernels on one rank.
+# ----------------------------------------------------------------------------- element-wise
 
-    ``act``: bytes per activation element (2 under bf16 autocast); the residual stream is fp32.
+# Element passes of the strategies' non-GEMM kernels, per token and per element of the width
+# they act on: a binary op reads two operands and writes one (3), a unary op 2, a reduction
+# 1 (plus its small result). Counted from the code's ops (tests/test_costmodel.py checks the
+# totals against a census of what torch dispatches, forward and backward, for every strategy).
+NORM = (7, 24)  # rms_norm: pow, mean, x * rsqrt, gain * x; backward: 14 kernels
+SILU = (2, 3)  # σ: silu; silu_backward
+PRODUCT = (3, 6)  # g * u
+SWIGLU = (5, 9)  # silu(g) * u
+RESIDUAL = 3  # x + y (its backward passes the gradient through)
+REUSE = 3  # backward: one more consumer of a tensor adds its gradient (g1 + g2)
+CLONE = 2  # a collective's copy of its payload into a fresh buffer (read + write)
+LAX_LATENT = (12, 30)  # LaX per linear: a + G(z), LN_r, σ; backward incl. z's second consumer
+LAX_LATENT_FIRST = (9, 30)  # block 0: no crossing gate
+
+
+@dataclass(frozen=True)
+class ElementWise:
+    """Non-GEMM work of one rank: bytes moved forward and backward, and the elements that
+    go through σ (compute-bound on a CPU: SiLU is an exp per element)."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    silu_fwd: float = 0.0
+    silu_bwd: float = 0.0
+
+    def __add__(self, o: ElementWise) -> ElementWise:
+        return ElementWise(
+            self.fwd + o.fwd,
+            self.bwd + o.bwd,
+            self.silu_fwd + o.silu_fwd,
+            self.silu_bwd + o.silu_bwd,
+        )
+
+    def scaled(self, k: float) -> ElementWise:
+        return ElementWise(self.fwd * k, self.bwd * k, self.silu_fwd * k, self.silu_bwd * k)
+
+
+def _attention_passes(q: int, kv: int) -> tuple[int, int]:
+    """RoPE on q and k (``x cos + roll(x) sin``), GQA's repeat of k and v, the backward's
+    copies of SDPA's transposed gradients (SDPA itself is costed as attention GEMMs)."""
+    gqa = kv < q
+    fwd = 9 * (q + kv) + (4 * q if gqa else 0)
+    bwd = 9 * (q + kv) + 4 * q + (2 * (q + kv) if gqa else 0)
+    return fwd, bwd
+
+
+def _latent_passes(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(fwd, bwd, σ elements) per element of one linear's latent, by arch."""
+    if cfg.arch == "cola":
+        return SILU[0], SILU[1], 1
+    if cfg.arch == "lax":
+        fwd, bwd = LAX_LATENT if layer > 0 else LAX_LATENT_FIRST
+        return fwd, bwd, 1
+    return 0, 0, 0  # svd: no activation
+
+
+def block_elementwise(
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    tokens: int,
+    act: int,
+    layer: int = 1,
+    grouping: bool = True,
+) -> ElementWise:
+    """Non-GEMM traffic of one block on one TP rank, forward and backward.
+
+    Element passes per token (see the constants above) times ``act`` bytes per element; at
+    fp32 this is what a census of the dispatched ops counts (within a few %: per-token
+    statistics and norm gains are left out). Under bf16 autocast the same passes are costed at
+    2 bytes (the norms' fp32 internals and autocast's casts are not modelled).
     """
-    T, t = tokens, tp if strategy else 1
-    d, kv, f = cfg.dim, cfg.kv_dim, cfg.ffn_dim
-    r = cfg.rank or 0
-    if strategy == "btp":
-        d_res, d_norm, q, k, ff, lat = d // t, d // t, d // t, kv // t, f // t, r
-    elif strategy == "vanilla":  # replicated stream, norms and full-width q/k/v and MLP
-        d_res, d_norm, q, k, ff, lat = d, d, d, kv, f, r // t
-    else:  # megatron or the plain model
-        d_res, d_norm, q, k, ff, lat = d, d, d // t, kv // t, f // t, r
-    total = 2 * T * d_norm * (FP32 + act)  # two RMSNorms: read fp32, write act
-    total += 2 * 3 * T * d_res * FP32  # two residual adds
-    total += 2 * 3 * T * (q + k) * act  # RoPE on q and k (x*cos + rot(x)*sin)
-    total += T * (2 * q + 2 * k) * act  # flash attention reads q, k, v, writes out
-    total += 3 * T * ff * act  # MLP product (SwiGLU or CoLA's g*u)
-    if cfg.lowrank:
-        per_latent = {"cola": 2, "svd": 0, "lax": 6}[cfg.arch]  # σ (LaX: norm, add, σ)
-        total += 7 * per_latent * T * lat * act
-    if strategy == "btp":  # norm statistics and partial-sum rescaling ride in fp32
-        total += 2 * T * 3 * r * FP32
-    return float(total)
-
-
-def head_elementwise_bytes(
-    cfg: ModelConfig, strategy: str | None, tp: int, tokens: int, act: int
-) -> float:
-    """Final norm, the logits' fp32 cast and the cross-entropy passes, embedding lookup."""
     t = tp if strategy else 1
-    v = -(-cfg.vocab_size // t)
-    d_emb = cfg.dim // t if strategy == "btp" else cfg.dim
-    return float(tokens * (cfg.dim * (FP32 + act) + v * (act + 3 * FP32) + d_emb * FP32))
+    if strategy == "btp" or (strategy is None and cfg.lowrank and grouping):
+        # BTP's block (also what one device runs for a grouped low-rank model).
+        return _btp_elementwise(cfg, t, tokens, act, layer, grouping)
+    d, kv, f, r = cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.rank or 0
+    mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
+    lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
+    q, k, ff = (d // t, kv // t, f // t) if strategy == "megatron" else (d, kv, f)
+    att_f, att_b = _attention_passes(q, k)
+    fwd = 2 * NORM[0] * d + att_f + mlp_f * ff + 2 * RESIDUAL * d
+    bwd = 2 * NORM[1] * d + att_b + mlp_b * ff
+    # The residual stream feeds a norm and an add; the norm's output feeds 3 (q, k, v) and
+    # 2 (gate, up) linears: each extra consumer adds a gradient in the backward.
+    bwd += REUSE * (2 * d + 2 * d + d)
+    silu = float(ff if cfg.mlp_form == "swiglu" else 0)
+    if strategy == "megatron" and t > 1:
+        fwd += CLONE * 2 * d  # o and down all-reduce copies
+        bwd += CLONE * 2 * d  # attn_in and mlp_in: the backward all-reduce copies
+    if cfg.lowrank:
+        rl = r // t if strategy == "vanilla" else r  # vanilla splits r
+        r_lat = r if cfg.arch == "lax" else rl  # LaX's crossing needs all of r
+        fwd += lat_f * 7 * r_lat
+        bwd += lat_b * 7 * r_lat
+        silu += lat_silu * 7 * r_lat
+        if strategy == "vanilla" and t > 1:
+            # Every B all-reduces its full output (copied first); the backward all-reduces
+            # the input grads of the four regions (attn_in, o_in, mlp_in: d; down_in: f).
+            fwd += CLONE * (3 * d + 2 * kv + 2 * f)
+            bwd += CLONE * (3 * d + f)
+            if cfg.arch == "lax":  # latents gathered to all of r and re-split, both ways
+                per = r + CLONE * r + CLONE * rl
+                fwd, bwd = fwd + 7 * per, bwd + 7 * per
+    return ElementWise(fwd * tokens * act, bwd * tokens * act, silu * tokens, silu * tokens)
+
+
+def _btp_elementwise(
+    cfg: ModelConfig, t: int, tokens: int, act: int, layer: int, grouping: bool
+) -> ElementWise:
+    """BTP's block (``parallel/btp.py``) on a d-sharded residual; ``t = 1``: one device."""
+    d, kv, f, r = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t, cfg.rank
+    mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
+    lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
+    att_f, att_b = _attention_passes(d, kv)
+    groups = 3 + 2  # down-projections sharing an input: q, k, v and gate, up
+    whole = t == 1
+    fwd = 2 * RESIDUAL * d + att_f + mlp_f * f + lat_f * 7 * r
+    bwd = att_b + mlp_b * f + lat_b * 7 * r
+    if whole:  # the plain norms; the residual feeds a norm and an add
+        fwd += 2 * NORM[0] * d
+        bwd += 2 * NORM[1] * d + 2 * REUSE * d
+        if not grouping:  # the norm's output feeds 3 and 2 linears
+            bwd += REUSE * 3 * d
+    else:
+        # Norm folded into the down-projections: pow, sum, x / rms_loc, gain * x (the
+        # residual feeding pow, the division and the add); each partial rescaled by rms_loc,
+        # [p | ss] concatenated, copied by the all-reduce, rescaled by 1/rms. Backward:
+        # those in reverse, the concatenation's split undone by a concatenation.
+        fwd += 2 * 7 * d + (2 + 2 + CLONE + 2) * r * groups
+        bwd += 2 * (15 + 2 * REUSE) * d + (2 + 6 + 2) * r * groups
+        fwd += CLONE * 2 * r  # the o and down all-reduce copies
+        bwd += CLONE * 7 * r  # each latent's input grad all-reduced on entering a region
+    if grouping:
+        # The grouped down-projection's output split (backward: concatenated), the latents
+        # concatenated to enter their region and split there (backward: the reverse).
+        fwd += 2 * r * groups
+        bwd += (2 + 2) * r * groups if not whole else 2 * 2 * r * groups
+        # Same-shaped up-projections stacked for one bmm (inputs [T, r] each); the gradients
+        # of the unbound outputs stacked in the backward.
+        qkv = [d, kv, kv] if kv == d else [kv, kv]
+        fwd += 2 * r * (len(qkv) + 2)
+        bwd += 2 * (sum(qkv) + 2 * f)
+    silu = lat_silu * 7 * r + (f if cfg.mlp_form == "swiglu" else 0)
+    ew = ElementWise(fwd * tokens * act, bwd * tokens * act, silu * tokens, silu * tokens)
+    if grouping:  # weights concatenated / stacked every step (fp32), their grads copied
+        qkv = [d, kv, kv] if kv == d else [kv, kv]
+        cat = 2 * r * (cfg.dim // t) * groups  # [A_q; A_k; A_v], [A_gate; A_up]
+        stacked = r * (sum(qkv) + 2 * f)  # B_q, B_k, B_v / B_gate, B_up
+        ew = ew + ElementWise((cat + 2 * stacked) * FP32, 2 * stacked * FP32)
+    return ew
+
+
+# The step's parts outside the blocks, per token: the embedding (vocab-parallel: masked
+# lookup and its all-reduce copy; BTP: a local lookup of the d-slice), the final norm and the
+# cross-entropy over the rank's ``v`` logits: max, subtract, exp, sum and the saved softmax
+# (vocab-parallel, 8 passes) or log-softmax (one device, 2); backward 4 passes over the
+# logits, the embedding's dense gradient (the whole table slice written).
+CE_VOCAB_PARALLEL = (8, 4)
+CE_LOCAL = (2, 4)
+
+
+ROPE_TABLES = 8.5  # cos and sin tables per forward: passes over [seq, head_dim] (fp32)
+
+
+def head_elementwise(
+    cfg: ModelConfig, strategy: str | None, tp: int, tokens: int, act: int, seq: int = 0
+) -> ElementWise:
+    """Embedding, RoPE tables, final norm and loss on one rank (the LM head is a
+    :class:`Gemm`); ``seq`` is the sequence length (the tables' size)."""
+    t = tp if strategy else 1
+    d, v = cfg.dim, -(-cfg.vocab_size // t)
+    norm_f, norm_b = NORM
+    if t == 1:
+        ce_f, ce_b = CE_LOCAL
+        fwd, bwd = 2 * d + norm_f * d + ce_f * v, norm_b * d + d + ce_b * v
+        table = cfg.vocab_size * d
+    elif strategy == "btp":  # local lookup of d/t; the last hidden gathered (and its grad
+        dl = d // t  # reduce-scattered: copies both ways)
+        ce_f, ce_b = CE_VOCAB_PARALLEL
+        fwd = 2 * dl + CLONE * d + norm_f * d + ce_f * v
+        bwd = norm_b * d + CLONE * d + CLONE * dl + dl + ce_b * v
+        table = cfg.vocab_size * dl
+    else:  # vocab-parallel embedding: mask, lookup, all-reduce copy; head input's grad copy
+        ce_f, ce_b = CE_VOCAB_PARALLEL
+        fwd = 2 * d + 2 * d + CLONE * d + norm_f * d + ce_f * v
+        bwd = norm_b * d + CLONE * d + 2 * d + d + ce_b * v
+        table = v * d
+    rope = ROPE_TABLES * seq * cfg.head_dim * FP32
+    return ElementWise(fwd * tokens * act + rope, bwd * tokens * act + table * FP32)
+
+
+# ----------------------------------------------------------------------------- op counts
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """Ops torch dispatches besides GEMMs, attention and collectives, forward and backward:
+    ``kernels`` write memory (a GPU launches each), ``views`` only make tensor metadata
+    (``view``, ``t``, ``detach``, ...; host work only)."""
+
+    kernels_fwd: int = 0
+    views_fwd: int = 0
+    kernels_bwd: int = 0
+    views_bwd: int = 0
+
+    def __add__(self, o: OpCount) -> OpCount:
+        return OpCount(
+            self.kernels_fwd + o.kernels_fwd,
+            self.views_fwd + o.views_fwd,
+            self.kernels_bwd + o.kernels_bwd,
+            self.views_bwd + o.views_bwd,
+        )
+
+
+# Per block, by the code path a block runs (fp32, ``grouping`` on, ``norm`` online, no
+# recompute): counted by tests/test_costmodel.py::test_op_counts_are_torchs, which fails
+# when the code and these numbers part. ``lax0``: LaX's block 0 (no crossing gate).
+BLOCK_OPS: dict[tuple[str, str], OpCount] = {
+    ("plain", "full"): OpCount(24, 32, 46, 67),  # Block.compute (one device)
+    ("megatron", "full"): OpCount(26, 47, 48, 80),
+    ("vanilla", "cola"): OpCount(37, 87, 56, 140),
+    ("vanilla", "svd"): OpCount(30, 87, 49, 140),
+    ("vanilla", "lax0"): OpCount(100, 150, 182, 224),
+    ("vanilla", "lax"): OpCount(107, 206, 182, 343),
+    ("btp", "cola"): OpCount(62, 91, 90, 130),
+    ("btp", "svd"): OpCount(55, 91, 83, 130),
+    ("btp", "lax0"): OpCount(104, 105, 195, 165),
+    ("btp", "lax"): OpCount(111, 161, 195, 284),
+    ("btp1", "cola"): OpCount(38, 57, 65, 99),  # BTP's block on one device (grouped)
+    ("btp1", "svd"): OpCount(31, 57, 58, 99),
+    ("btp1", "lax0"): OpCount(80, 64, 170, 127),
+    ("btp1", "lax"): OpCount(87, 106, 170, 232),
+}
+# GQA (fewer kv heads) repeats k and v: a few more ops per block.
+GQA_OPS: dict[str, OpCount] = {
+    "plain": OpCount(2, 6, 3, 4),
+    "megatron": OpCount(2, 6, 1, 4),
+    "vanilla": OpCount(2, 6, 3, 4),
+    "btp": OpCount(2, 7, -1, 7),
+    "btp1": OpCount(2, 7, 1, 7),
+}
+# Embedding, RoPE tables, final norm, LM head and loss, once per micro-batch.
+HEAD_OPS: dict[str, OpCount] = {
+    "plain": OpCount(23, 14, 17, 12),
+    "vocab_parallel": OpCount(45, 30, 25, 16),  # megatron and vanilla
+    "btp": OpCount(41, 38, 28, 28),
+}
+
+
+def _path(cfg: ModelConfig, strategy: str | None, tp: int, grouping: bool) -> str:
+    """Which code a block runs: the strategy's, or one device's (``plain`` / ``btp1``)."""
+    t = tp if strategy else 1
+    if strategy == "btp" and t > 1:
+        return "btp"
+    if strategy in ("megatron", "vanilla") and t > 1:
+        return strategy
+    return "btp1" if cfg.lowrank and (grouping or strategy == "btp") else "plain"
+
+
+def block_ops(
+    cfg: ModelConfig, strategy: str | None, tp: int, layer: int = 1, grouping: bool = True
+) -> OpCount:
+    """Ops one block dispatches on one rank (``BLOCK_OPS``; other options: the same counts)."""
+    path = _path(cfg, strategy, tp, grouping)
+    arch = cfg.arch
+    if path == "plain" and cfg.lowrank:  # ungrouped low-rank on one device: not counted;
+        path = "btp1"  # the grouped block's count is the closest
+    if path in ("megatron", "plain"):
+        arch = "full" if (path, arch) not in BLOCK_OPS else arch
+    if arch == "lax" and layer == 0:
+        arch = "lax0"
+    ops = BLOCK_OPS[(path, arch)]
+    if cfg.n_kv_heads < cfg.n_heads:
+        ops = ops + GQA_OPS[path]
+    return ops
+
+
+def head_ops(cfg: ModelConfig, strategy: str | None, tp: int) -> OpCount:
+    t = tp if strategy else 1
+    if t == 1:
+        return HEAD_OPS["plain"]
+    return HEAD_OPS["btp" if strategy == "btp" else "vocab_parallel"]

@@ -1,0 +1,138 @@
+"""Count what a training step dispatches: aten ops and the bytes they move.
+
+:class:`OpCensus` is a ``TorchDispatchMode``: every aten op that reaches the dispatcher below
+autograd is classified and counted, per phase (``fwd`` / ``bwd``, set by the caller):
+
+* ``gemm`` (``mm``, ``bmm``), ``attention`` (the SDPA kernels), ``comm`` (c10d ops, when they
+  reach Python dispatch at all);
+* ``kernel``: any other op that writes memory (a fresh result or a mutated operand);
+* ``view``: an op whose results all alias an operand (``view``, ``t``, ``detach``,
+  ``_unsafe_view``, ...): dispatched, but moving no data.
+
+Bytes: every tensor operand is read once, every fresh result and every mutated operand is
+written once; except where that convention would count memory an op does not touch: a
+gather (embedding, ``gather``, ``index``, ``nll_loss``) reads the elements it returns, an
+allocation touches nothing, ``copy_`` / ``fill_`` do not read their destination. A DTensor
+operand counts its local shard (the memory this rank touches), not its global shape.
+
+The cost model's op counts and element-wise traffic (``analysis/gemms.py``) are checked
+against this census in ``tests/test_costmodel.py``, and ``boostlr calibrate`` divides the time
+of a tiny block by its census to get the CPU cost of one dispatched op.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+GEMMS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
+INDEXING = (
+    "aten.embedding.default",
+    "aten.gather.default",
+    "aten.index.Tensor",
+    "aten.index_put_.default",
+    "aten.nll_loss_forward.default",
+)
+ALLOCATIONS = (
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.empty_strided.default",
+    "aten.new_empty.default",
+    "aten.new_empty_strided.default",
+)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def kind_of(name: str, fresh: bool) -> str:
+    if name in GEMMS:
+        return "gemm"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if name.startswith(("c10d.", "_c10d_functional.")):
+        return "comm"
+    if name.startswith("profiler."):  # record_function: host work, no data
+        return "view"
+    return "kernel" if fresh else "view"
+
+
+class OpCensus(TorchDispatchMode):
+    """Ops and bytes by ``(phase, kind)``; set ``phase`` between forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "fwd"
+        self.ops: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+        self.by_name: collections.Counter = collections.Counter()
+        self.bytes_by_name: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema.arguments
+        bound = list(zip(schema, args, strict=False))
+        bound += [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
+        inputs: list[torch.Tensor] = []
+        mutated: list[torch.Tensor] = []
+        for arg, value in bound:
+            tensors = [t for t in tree_leaves(value) if torch.is_tensor(t)]
+            inputs += tensors
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                mutated += tensors
+        results = [t for t in tree_leaves(out) if torch.is_tensor(t)]
+        storages = {_storage(t) for t in inputs}
+        fresh = [t for t in results if _storage(t) not in storages]
+        name = str(func)
+        kind = kind_of(name, bool(fresh or mutated or not results))
+        moved = 0
+        if name in INDEXING:  # the elements gathered (or scattered) and the indices, not all
+            index = [t for t in inputs if not t.is_floating_point()]
+            data = fresh if name != "aten.index_put_.default" else inputs[2:3]
+            moved = sum(map(_nbytes, index)) + 2 * sum(map(_nbytes, data))
+        elif name == "aten.nll_loss_backward.default":  # writes the (mostly zero) gradient
+            moved = sum(map(_nbytes, fresh))
+        elif name in ALLOCATIONS:  # memory handed out, not touched
+            moved = 0
+        elif name in ("aten.copy_.default", "aten.fill_.Scalar", "aten.zero_.default"):
+            moved = sum(map(_nbytes, inputs[1:])) + sum(map(_nbytes, mutated))  # dst not read
+        elif kind != "view":
+            moved = sum(map(_nbytes, inputs)) + sum(map(_nbytes, mutated + fresh))
+        self.ops[(self.phase, kind)] += 1
+        self.bytes[(self.phase, kind)] += moved
+        self.by_name[(self.phase, name)] += 1
+        self.bytes_by_name[(self.phase, name)] += moved
+        return out
+
+    def count(self, phase: str, *kinds: str) -> int:
+        return sum(self.ops[(phase, k)] for k in kinds)
+
+    def moved(self, phase: str, *kinds: str) -> int:
+        return sum(self.bytes[(phase, k)] for k in kinds)
+
+
+def census_backward(census: OpCensus, outputs: list[torch.Tensor]) -> None:
+    """Backward from ``outputs`` (seeds of ones, made outside the census) under ``census``."""
+    outputs = [t for t in outputs if t is not None and t.requires_grad]
+    seeds = [torch.ones_like(t) for t in outputs]
+    census.phase = "bwd"
+    with census:
+        torch.autograd.backward(outputs, seeds)
