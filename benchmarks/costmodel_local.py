@@ -113,7 +113,7 @@ def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cfgs = [from_dict(d) for d in cfg_dicts]
     device = torch.device("cpu")
-    init_distributed(device, TP)
+    init_distributed(device, TP, pin_cores=True)  # as the trainer (parallel.pin_cores)
     torch.set_num_threads(threads)  # after init_distributed, which applies OMP_NUM_THREADS
     keep_freed_host_memory()  # as the trainer on CPU (train.cpu_alloc_cache, default on)
     runs = []
