@@ -420,3 +420,25 @@ def _forward_memory(act_ckpt: str) -> int:
 def test_lowrank_checkpointing_lowers_activation_memory() -> None:
     none, lowrank = _forward_memory("none"), _forward_memory("lowrank")
     assert lowrank < 0.5 * none, (none, lowrank)
+
+
+def test_btp_overlapped_latent_all_reduce_matches_blocking() -> None:
+    """parallel.tp_overlap (B starts its latents' backward all-reduce before its weight
+    gradient): the same losses and gradients as one device, and the same bytes as blocking,
+    with grouping on and off and under low-rank checkpointing (2 ranks, 2 steps each)."""
+    from parallel_cases import layout_config, run_cases
+    from test_parallel_3d import assert_follows
+
+    cases = []
+    for overlap in (True, False):
+        for extra in ({}, {"parallel.grouping": "false"}, {"parallel.act_ckpt": "lowrank"}):
+            cfg = layout_config("lax", "btp", 1, 1, 2, **extra, **{"parallel.tp_overlap": overlap})
+            cases.append((f"overlap={overlap} {extra}", cfg, 2))
+    per_rank = run_distributed(run_cases, 2, cases, timeout_s=600)
+    for reports in per_rank:
+        for label, report in reports.items():
+            assert_follows(label, report)
+        for extra in ({}, {"parallel.grouping": "false"}, {"parallel.act_ckpt": "lowrank"}):
+            on, off = (reports[f"overlap={o} {extra}"]["metrics"] for o in (True, False))
+            counts = {k: v for k, v in on.items() if not k.endswith("_s")}  # not the timings
+            assert counts and counts == {k: v for k, v in off.items() if not k.endswith("_s")}

@@ -193,6 +193,9 @@ class ParallelConfig:
     tp_strategy: str = "auto"
     norm: str = "online"
     grouping: bool = True
+    # btp: each up-projection B starts its latents' backward all-reduce before computing its
+    # weight gradient, so the exchange overlaps that GEMM (eager runs; off: blocking).
+    tp_overlap: bool = True
     act_ckpt: str = "none"
     # Restart all ranks up to this many times when one dies (SIGKILL, OOM); they resume
     # from the newest valid checkpoint by themselves.

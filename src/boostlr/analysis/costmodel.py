@@ -231,6 +231,7 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
     s, a = cfg.data.seq_len, act_size(cfg)
     tokens = seqs * s
     dtype = cfg.train.dtype
+    overlap = p.tp_overlap and not cfg.train.compile  # as TPContext.overlap
     out = StageTime()
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         fwd = bwd = 0.0
@@ -240,9 +241,10 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             if key not in per_layer:
                 gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
                 back = [b for g in gemms for b in backward(g)]
-                ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping)
+                ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping, overlap)
                 ew_f, ew_b = elementwise_time(ew, hw, a)
-                ops_f, ops_b = ops_time(block_ops(m, strategy, p.tp, layer, p.grouping), hw)
+                ops = block_ops(m, strategy, p.tp, layer, p.grouping, overlap)
+                ops_f, ops_b = ops_time(ops, hw)
                 per_layer[key] = (
                     sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f + ops_f,
                     sum(gemm_time(b, hw, dtype, a) for b in back) + ew_b + ops_b,

@@ -211,6 +211,7 @@ def block_elementwise(
     act: int,
     layer: int = 1,
     grouping: bool = True,
+    overlap: bool = True,
 ) -> ElementWise:
     """Non-GEMM traffic of one block on one TP rank, forward and backward.
 
@@ -222,7 +223,7 @@ def block_elementwise(
     t = tp if strategy else 1
     if strategy == "btp" or (strategy is None and cfg.lowrank and grouping):
         # BTP's block (also what one device runs for a grouped low-rank model).
-        return _btp_elementwise(cfg, t, tokens, act, layer, grouping)
+        return _btp_elementwise(cfg, t, tokens, act, layer, grouping, overlap)
     d, kv, f, r = cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.rank or 0
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
     lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
@@ -255,9 +256,14 @@ def block_elementwise(
 
 
 def _btp_elementwise(
-    cfg: ModelConfig, t: int, tokens: int, act: int, layer: int, grouping: bool
+    cfg: ModelConfig, t: int, tokens: int, act: int, layer: int, grouping: bool, overlap: bool
 ) -> ElementWise:
-    """BTP's block (``parallel/btp.py``) on a d-sharded residual; ``t = 1``: one device."""
+    """BTP's block (``parallel/btp.py``) on a d-sharded residual; ``t = 1``: one device.
+
+    ``overlap`` (``parallel.tp_overlap``, TP > 1): each up-projection's backward is one GEMM
+    per B (no stacked gradients) plus the concatenated input gradients it sends off.
+    """
+    overlapped = overlap and grouping and t > 1
     d, kv, f, r = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t, cfg.rank
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
     lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
@@ -289,14 +295,14 @@ def _btp_elementwise(
         # of the unbound outputs stacked in the backward.
         qkv = [d, kv, kv] if kv == d else [kv, kv]
         fwd += 2 * r * (len(qkv) + 2)
-        bwd += 2 * (sum(qkv) + 2 * f)
+        bwd += 2 * 5 * r if overlapped else 2 * (sum(qkv) + 2 * f)
     silu = lat_silu * 7 * r + (f if cfg.mlp_form == "swiglu" else 0)
     ew = ElementWise(fwd * tokens * act, bwd * tokens * act, silu * tokens, silu * tokens)
     if grouping:  # weights concatenated / stacked every step (fp32), their grads copied
         qkv = [d, kv, kv] if kv == d else [kv, kv]
         cat = 2 * r * (cfg.dim // t) * groups  # [A_q; A_k; A_v], [A_gate; A_up]
         stacked = r * (sum(qkv) + 2 * f)  # B_q, B_k, B_v / B_gate, B_up
-        ew = ew + ElementWise((cat + 2 * stacked) * FP32, 2 * stacked * FP32)
+        ew = ew + ElementWise((cat + 2 * stacked) * FP32, (0 if overlapped else 2) * stacked * FP32)
     return ew
 
 
@@ -372,10 +378,10 @@ BLOCK_OPS: dict[tuple[str, str], OpCount] = {
     ("vanilla", "svd"): OpCount(30, 87, 49, 140),
     ("vanilla", "lax0"): OpCount(100, 150, 182, 224),
     ("vanilla", "lax"): OpCount(107, 206, 182, 343),
-    ("btp", "cola"): OpCount(62, 91, 90, 130),
-    ("btp", "svd"): OpCount(55, 91, 83, 130),
-    ("btp", "lax0"): OpCount(104, 105, 195, 165),
-    ("btp", "lax"): OpCount(111, 161, 195, 284),
+    ("btp", "cola"): OpCount(62, 91, 76, 144),  # parallel.tp_overlap (the default)
+    ("btp", "svd"): OpCount(55, 91, 69, 144),
+    ("btp", "lax0"): OpCount(104, 105, 181, 179),
+    ("btp", "lax"): OpCount(111, 161, 181, 298),
     ("btp1", "cola"): OpCount(38, 57, 65, 99),  # BTP's block on one device (grouped)
     ("btp1", "svd"): OpCount(31, 57, 58, 99),
     ("btp1", "lax0"): OpCount(80, 64, 170, 127),
@@ -386,9 +392,12 @@ GQA_OPS: dict[str, OpCount] = {
     "plain": OpCount(2, 6, 3, 4),
     "megatron": OpCount(2, 6, 1, 4),
     "vanilla": OpCount(2, 6, 3, 4),
-    "btp": OpCount(2, 7, -1, 7),
+    "btp": OpCount(2, 7, 1, 4),
     "btp1": OpCount(2, 7, 1, 7),
 }
+# BTP at TP > 1 with tp_overlap off: autograd's bmm / stack backward instead of one GEMM per
+# up-projection (census of the blocking path).
+BLOCKING_BTP_BWD = OpCount(0, 0, 14, -14)
 # Embedding, RoPE tables, final norm, LM head and loss, once per micro-batch.
 HEAD_OPS: dict[str, OpCount] = {
     "plain": OpCount(23, 14, 17, 12),
@@ -408,7 +417,12 @@ def _path(cfg: ModelConfig, strategy: str | None, tp: int, grouping: bool) -> st
 
 
 def block_ops(
-    cfg: ModelConfig, strategy: str | None, tp: int, layer: int = 1, grouping: bool = True
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    layer: int = 1,
+    grouping: bool = True,
+    overlap: bool = True,
 ) -> OpCount:
     """Ops one block dispatches on one rank (``BLOCK_OPS``; other options: the same counts)."""
     path = _path(cfg, strategy, tp, grouping)
@@ -422,6 +436,8 @@ def block_ops(
     ops = BLOCK_OPS[(path, arch)]
     if cfg.n_kv_heads < cfg.n_heads:
         ops = ops + GQA_OPS[path]
+    if path == "btp" and grouping and not overlap:
+        ops = ops + BLOCKING_BTP_BWD
     return ops
 
 

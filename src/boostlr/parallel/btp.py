@@ -29,7 +29,13 @@ from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, m
 from boostlr.models.lowrank import LowRankLinear
 from boostlr.models.norm import rms_norm
 from boostlr.models.params import local
-from boostlr.parallel.collectives import copy_to_group, gather_from_group, reduce_from_group
+from boostlr.parallel.collectives import (
+    PendingAllReduce,
+    copy_to_group,
+    copy_to_group_pending,
+    gather_from_group,
+    reduce_from_group,
+)
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
@@ -142,17 +148,80 @@ def _latents(
     return hs, z
 
 
-def _enter_region(hs: list[Tensor], ctx: TPContext, tag: str) -> list[Tensor]:
-    """Identity forward; the backward all-reduces B's partial input grads (one per group)."""
+def _enter_region(
+    hs: list[Tensor], ctx: TPContext, tag: str
+) -> tuple[list[Tensor], PendingAllReduce | None]:
+    """Identity forward; the backward all-reduces B's partial input grads (one per group).
+
+    With ``ctx.overlap`` (grouped, eager) the region's B starts that all-reduce itself, before
+    its weight-gradient GEMM (:class:`_UpProjection`); the returned pending all-reduce links
+    the two.
+    """
     hs = [wire(h) for h in hs]
-    if ctx.grouping and len(hs) > 1:
-        joined = copy_to_group(torch.cat(hs, -1), ctx.comm, f"{tag}.latent")
-        return list(joined.split([h.shape[-1] for h in hs], -1))
-    return [copy_to_group(h, ctx.comm, f"{tag}.latent.{i}") for i, h in enumerate(hs)]
+    if ctx.grouping and len(hs) > 1 or len(hs) == 1:
+        joined = hs[0] if len(hs) == 1 else torch.cat(hs, -1)
+        name = f"{tag}.latent" if len(hs) > 1 else f"{tag}.latent.0"
+        pending = None
+        if ctx.overlap and ctx.comm.size > 1:
+            pending = PendingAllReduce(ctx.comm, name)
+            joined = copy_to_group_pending(joined, pending)
+        else:
+            joined = copy_to_group(joined, ctx.comm, name)
+        if len(hs) == 1:
+            return [joined], pending
+        return list(joined.split([h.shape[-1] for h in hs], -1)), pending
+    return [copy_to_group(h, ctx.comm, f"{tag}.latent.{i}") for i, h in enumerate(hs)], None
 
 
-def _up(hs: list[Tensor], weights: list[Tensor], grouped: bool) -> list[Tensor]:
-    """B projections; same-shaped ones as one batched GEMM when grouping is on."""
+class _UpProjection(torch.autograd.Function):
+    """``y_i = h_i B_iᵀ`` whose backward starts the latents' all-reduce before ``∂B``.
+
+    The input gradients ``∂h_i = ∂y_i B_i`` are computed first and sent off (concatenated, the
+    layout :func:`_enter_region` joined them in); the weight gradients ``∂B_i = ∂y_iᵀ h_i``
+    are computed while the ranks exchange them. Autocast is replayed in the backward so the
+    GEMMs run in the forward's dtype, as autograd's own would.
+    """
+
+    @staticmethod
+    def forward(ctx, pending: PendingAllReduce, grouped: bool, *hw: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        n = len(hw) // 2
+        hs, ws = list(hw[:n]), list(hw[n:])
+        device = hs[0].device.type
+        ctx.pending, ctx.device = pending, device
+        ctx.autocast = torch.is_autocast_enabled(device)
+        ctx.autocast_dtype = torch.get_autocast_dtype(device)
+        ctx.save_for_backward(*hs, *ws)
+        return tuple(_up_math(hs, ws, grouped))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        n = len(saved) // 2
+        hs, ws = saved[:n], saved[n:]
+        with torch.autocast(ctx.device, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
+            grad_h = [torch.matmul(g, w).to(h.dtype) for g, w, h in zip(grads, ws, hs, strict=True)]
+            ctx.pending.start(grad_h[0] if n == 1 else torch.cat(grad_h, -1))
+            grad_w = [
+                torch.matmul(g.flatten(0, -2).t(), h.flatten(0, -2)).to(w.dtype)
+                for g, w, h in zip(grads, ws, hs, strict=True)
+            ]
+        return (None, None, *grad_h, *grad_w)
+
+
+def _up(
+    hs: list[Tensor], weights: list[Tensor], grouped: bool, pending: PendingAllReduce | None = None
+) -> list[Tensor]:
+    """B projections; same-shaped ones as one batched GEMM when grouping is on.
+
+    With a ``pending`` all-reduce (see :func:`_enter_region`) the backward starts it before
+    the weight gradients.
+    """
+    if pending is not None:
+        return list(_UpProjection.apply(pending, grouped, *hs, *weights))
+    return _up_math(hs, weights, grouped)
+
+
+def _up_math(hs: list[Tensor], weights: list[Tensor], grouped: bool) -> list[Tensor]:
     out: list[Tensor | None] = [None] * len(hs)
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, w in enumerate(weights):
@@ -205,22 +274,23 @@ def block_forward(
     pre = _reduce_norm_down(parts, cfg.dim, attn_norm.eps, ctx, "qkv")
     hs, z_qkv = _latents(qkv, pre, QKV, z_prev)
     z.update(z_qkv)
-    hs = _enter_region(hs, ctx, "qkv")
+    hs, pending_qkv = _enter_region(hs, ctx, "qkv")
 
     # Region: B_q/B_k/B_v (this rank's heads) -> attention -> partial A_o.
     def attention_region(*h: Tensor) -> Tensor:
-        q, k, v = _up(list(h), [local(l.up.weight) for l in qkv], grouped)
+        q, k, v = _up(list(h), [local(l.up.weight) for l in qkv], grouped, pending_qkv)
         out = causal_attention(q, k, v, rope, attn.head_dim)
         return F.linear(out, local(attn.o_proj.down.weight))
 
     p_o = reduce_from_group(ctx.region("o_proj", attention_region, *hs), ctx.comm, "o_proj")
     (h_o,), z_o = _latents([attn.o_proj], [p_o], ["o_proj"], z_prev)
     z.update(z_o)
-    (h_o,) = _enter_region([h_o], ctx, "o_proj")
+    (h_o,), pending_o = _enter_region([h_o], ctx, "o_proj")
 
     # Region: B_o writes the residual slice, then the MLP norm folded into [A_gate|A_up].
     def residual_attn_region(h: Tensor, x_: Tensor) -> tuple[Tensor, ...]:
-        x_ = x_ + F.linear(h, local(attn.o_proj.up.weight))
+        (b_o,) = _up([h], [local(attn.o_proj.up.weight)], grouped, pending_o)
+        x_ = x_ + b_o
         downs = [local(l.down.weight) for l in gate_up]
         gain = local(mlp_norm.weight)
         return (x_, *_norm_down_partial(x_, gain, mlp_norm.eps, downs, grouped, whole))
@@ -229,20 +299,21 @@ def block_forward(
     pre = _reduce_norm_down(tuple(parts), cfg.dim, mlp_norm.eps, ctx, "gate_up")
     hs, z_gu = _latents(gate_up, pre, GATE_UP, z_prev)
     z.update(z_gu)
-    hs = _enter_region(hs, ctx, "gate_up")
+    hs, pending_gu = _enter_region(hs, ctx, "gate_up")
 
     # Region: B_gate/B_up (this rank's slice of f) -> product -> partial A_down.
     def mlp_region(*h: Tensor) -> Tensor:
-        g, u = _up(list(h), [local(l.up.weight) for l in gate_up], grouped)
+        g, u = _up(list(h), [local(l.up.weight) for l in gate_up], grouped, pending_gu)
         return F.linear(mlp_product(g, u, mlp.form), local(mlp.down_proj.down.weight))
 
     p_d = reduce_from_group(ctx.region("down_proj", mlp_region, *hs), ctx.comm, "down_proj")
     (h_d,), z_d = _latents([mlp.down_proj], [p_d], ["down_proj"], z_prev)
     z.update(z_d)
-    (h_d,) = _enter_region([h_d], ctx, "down_proj")
+    (h_d,), pending_d = _enter_region([h_d], ctx, "down_proj")
 
     # Region: B_down writes the residual slice (continues into the next block's A_qkv).
     def residual_mlp_region(h: Tensor, x_: Tensor) -> Tensor:
-        return x_ + F.linear(h, local(mlp.down_proj.up.weight))
+        (b_down,) = _up([h], [local(mlp.down_proj.up.weight)], grouped, pending_d)
+        return x_ + b_down
 
     return ctx.region("residual", residual_mlp_region, h_d, x), z

@@ -36,6 +36,7 @@ def build_stages(
         grouping=p.grouping,
         act_ckpt=p.act_ckpt,
         compile=cfg.train.compile,
+        tp_overlap=p.tp_overlap,
     )
     stages = []
     for stage in stage_ids(p, pp_rank):

@@ -341,6 +341,52 @@ class _ReduceScatterToGroup(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.comm, ctx.tag, "bwd"), None, None, None
 
 
+class PendingAllReduce:
+    """An input-gradient all-reduce started early and finished where the blocking one runs.
+
+    A column-parallel B's backward knows its partial input gradient before it computes its
+    weight gradient; :meth:`start` sends the former off asynchronously so the GEMM for the
+    latter runs while the ranks exchange it (Megatron's asynchronous input-gradient
+    all-reduce). :meth:`finish` is called by :func:`copy_to_group_pending`'s backward, the
+    place the blocking all-reduce sits otherwise, and waits. Same bytes, same ledger record,
+    same order of collectives on every rank; only the waiting moves.
+    """
+
+    def __init__(self, comm: GroupComm, tag: str):
+        self.comm, self.tag = comm, tag
+        self._work: dist.Work | None = None
+        self._buf: Tensor | None = None
+
+    def start(self, grad: Tensor) -> None:
+        buf = grad.contiguous()
+        _record(self.comm, "all_reduce", buf, self.tag, "bwd")
+        with _collective(self.comm, "all_reduce", self.tag, buf):
+            self._work = dist.all_reduce(buf, group=self.comm.group, async_op=True)
+        self._buf = buf
+
+    def finish(self, grad: Tensor) -> Tensor:
+        """The summed gradient: the started one's result, else a blocking all-reduce."""
+        if self._work is None or self._buf is None:
+            return _all_reduce(grad, self.comm, self.tag, "bwd")
+        with _collective(self.comm, "wait", self.tag, self._buf):
+            self._work.wait()
+        out, self._work, self._buf = self._buf, None, None
+        return out.view_as(grad)
+
+
+class _CopyToGroupPending(torch.autograd.Function):
+    """Identity forward; the backward finishes a :class:`PendingAllReduce`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pending: PendingAllReduce) -> Tensor:  # type: ignore[override]
+        ctx.pending = pending
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return ctx.pending.finish(grad), None
+
+
 @torch.compiler.disable
 def _eager(function: type[torch.autograd.Function], *args: object) -> Tensor:
     """Run a collective outside any ``torch.compile`` graph.
@@ -357,6 +403,13 @@ def copy_to_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
     if comm.size == 1:
         return x
     return _eager(_CopyToGroup, x, comm, tag)
+
+
+def copy_to_group_pending(x: Tensor, pending: PendingAllReduce) -> Tensor:
+    """:func:`copy_to_group` whose backward all-reduce the consumer may start early."""
+    if pending.comm.size == 1:
+        return x
+    return _eager(_CopyToGroupPending, x, pending)
 
 
 def reduce_from_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:

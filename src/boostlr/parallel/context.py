@@ -34,6 +34,13 @@ class TPContext:
     grouping: bool = True  # btp: fused down-projections, batched up-projections
     act_ckpt: str = "none"  # "none" | "lowrank" (btp regions) | "block"
     compile: bool = False  # torch.compile each block; collectives are the graph boundaries
+    # btp: each B starts its latents' backward all-reduce before its weight-gradient GEMM
+    # (eager only: a compiled region holds no collective).
+    tp_overlap: bool = True
+
+    @property
+    def overlap(self) -> bool:
+        return self.tp_overlap and not self.compile
 
     def checkpointed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` under activation checkpointing, its re-forward marked ``recompute``.

@@ -48,7 +48,9 @@ class ParallelModel:
         p = cfg.parallel
         if not dist.is_initialized():
             comms = single_process_comms()
-            ctx = TPContext(comms.tp, cfg.model, p.norm, p.grouping, p.act_ckpt, cfg.train.compile)
+            ctx = TPContext(
+                comms.tp, cfg.model, p.norm, p.grouping, p.act_ckpt, cfg.train.compile, p.tp_overlap
+            )
             full = build_model(cfg.model, seed=cfg.train.seed, device=device)
             stages = [TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx)]
             return cls(cfg, comms, stages, device)
