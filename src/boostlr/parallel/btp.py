@@ -158,19 +158,17 @@ def _enter_region(
     the two.
     """
     hs = [wire(h) for h in hs]
-    if ctx.grouping and len(hs) > 1 or len(hs) == 1:
-        joined = hs[0] if len(hs) == 1 else torch.cat(hs, -1)
-        name = f"{tag}.latent" if len(hs) > 1 else f"{tag}.latent.0"
-        pending = None
-        if ctx.overlap and ctx.comm.size > 1:
-            pending = PendingAllReduce(ctx.comm, name)
-            joined = copy_to_group_pending(joined, pending)
-        else:
-            joined = copy_to_group(joined, ctx.comm, name)
-        if len(hs) == 1:
-            return [joined], pending
-        return list(joined.split([h.shape[-1] for h in hs], -1)), pending
-    return [copy_to_group(h, ctx.comm, f"{tag}.latent.{i}") for i, h in enumerate(hs)], None
+    if len(hs) > 1 and not ctx.grouping:
+        return [copy_to_group(h, ctx.comm, f"{tag}.latent.{i}") for i, h in enumerate(hs)], None
+    joined = hs[0] if len(hs) == 1 else torch.cat(hs, -1)
+    name = f"{tag}.latent" if len(hs) > 1 else f"{tag}.latent.0"
+    pending = PendingAllReduce(ctx.comm, name) if ctx.overlap and ctx.comm.size > 1 else None
+    if pending is None:
+        joined = copy_to_group(joined, ctx.comm, name)
+    else:
+        joined = copy_to_group_pending(joined, pending)
+    parts = [joined] if len(hs) == 1 else list(joined.split([h.shape[-1] for h in hs], -1))
+    return parts, pending
 
 
 class _UpProjection(torch.autograd.Function):

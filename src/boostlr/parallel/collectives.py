@@ -246,25 +246,6 @@ def _local_chunk(x: Tensor, dim: int, comm: GroupComm, tag: str) -> Tensor:
     return x.narrow(dim, comm.rank * n, n).contiguous()
 
 
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward, all-reduce backward.
-
-    Used where a replicated activation enters a region whose ranks compute different
-    partial results (column-parallel): every rank's gradient w.r.t. the shared input
-    is only its partial contribution, so the true gradient is their sum. It is the
-    adjoint of :class:`_ReduceFromGroup`.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, comm: GroupComm, tag: str) -> Tensor:  # type: ignore[override]
-        ctx.comm, ctx.tag = comm, tag
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        return _all_reduce(grad, ctx.comm, ctx.tag, "bwd"), None, None
-
-
 class _ReduceFromGroup(torch.autograd.Function):
     """All-reduce (sum) forward, identity backward.
 
@@ -347,7 +328,7 @@ class PendingAllReduce:
     A column-parallel B's backward knows its partial input gradient before it computes its
     weight gradient; :meth:`start` sends the former off asynchronously so the GEMM for the
     latter runs while the ranks exchange it (Megatron's asynchronous input-gradient
-    all-reduce). :meth:`finish` is called by :func:`copy_to_group_pending`'s backward, the
+    all-reduce). :meth:`finish` is called by :func:`copy_to_group`'s backward, the
     place the blocking all-reduce sits otherwise, and waits. Same bytes, same ledger record,
     same order of collectives on every rank; only the waiting moves.
     """
@@ -374,8 +355,15 @@ class PendingAllReduce:
         return out.view_as(grad)
 
 
-class _CopyToGroupPending(torch.autograd.Function):
-    """Identity forward; the backward finishes a :class:`PendingAllReduce`."""
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce backward.
+
+    Used where a replicated activation enters a region whose ranks compute different
+    partial results (column-parallel): every rank's gradient w.r.t. the shared input
+    is only its partial contribution, so the true gradient is their sum. It is the
+    adjoint of :class:`_ReduceFromGroup`. The backward finishes ``pending``: a blocking
+    all-reduce, unless the region's consumer started it early.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, pending: PendingAllReduce) -> Tensor:  # type: ignore[override]
@@ -402,14 +390,19 @@ def copy_to_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
     """Identity forward, all-reduce backward (enter a column-parallel region)."""
     if comm.size == 1:
         return x
-    return _eager(_CopyToGroup, x, comm, tag)
+    return _eager_copy_to_group(x, PendingAllReduce(comm, tag))
 
 
 def copy_to_group_pending(x: Tensor, pending: PendingAllReduce) -> Tensor:
     """:func:`copy_to_group` whose backward all-reduce the consumer may start early."""
     if pending.comm.size == 1:
         return x
-    return _eager(_CopyToGroupPending, x, pending)
+    return _eager_copy_to_group(x, pending)
+
+
+@torch.compiler.disable
+def _eager_copy_to_group(x: Tensor, pending: PendingAllReduce) -> Tensor:
+    return _CopyToGroup.apply(x, pending)
 
 
 def reduce_from_group(x: Tensor, comm: GroupComm, tag: str) -> Tensor:
