@@ -350,22 +350,21 @@ class _Traffic:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
+        from boostlr.analysis.census import tensor_operands
+
         counter = self
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
-                schema = func._schema.arguments
-                bound = list(zip(schema, args, strict=False))
-                bound += [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
                 read = written = 0
                 operands: list[torch.Tensor] = []
-                for arg, value in bound:
-                    big = [t for t in tree_leaves(value) if torch.is_tensor(t) and t.numel() >= n]
+                for is_write, tensors in tensor_operands(func, args, kwargs):
+                    big = [t for t in tensors if t.numel() >= n]
                     operands += big
                     read += sum(t.numel() * t.element_size() for t in big)
-                    if arg.alias_info is not None and arg.alias_info.is_write:
+                    if is_write:
                         written += sum(t.numel() * t.element_size() for t in big)
                 for t in tree_leaves(out):
                     fresh = not any(t is u for u in operands)
@@ -382,8 +381,7 @@ class _Traffic:
 def test_optimizer_passes_are_torchs() -> None:
     """The cost model's clipping passes and its one fused AdamW kernel are what torch
     dispatches: the same number of ops and the same operand bytes per element."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from boostlr.analysis.census import OpCensus
     from boostlr.analysis.costmodel import CLIP_PASSES
     from boostlr.config import TrainConfig
     from boostlr.train.optim import build_optimizer
@@ -393,16 +391,11 @@ def test_optimizer_passes_are_torchs() -> None:
     p.grad = torch.randn(n, 2)
     opt = build_optimizer([p], TrainConfig())  # the trainer's optimizer
     opt.step()  # state exists: the step below is a steady-state one
-    ops: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Ops():
+    census = OpCensus()
+    with census:
         opt.step()
-    assert [op for op in ops if "adam" in op] == ["aten._fused_adamw_.default"], ops
+    adam = [(name, count) for (_, name), count in census.by_name.items() if "adam" in name]
+    assert adam == [("aten._fused_adamw_.default", 1)], census.by_name
     n = 2 * n
     traffic = _Traffic(n)
     with traffic.mode:  # what ParallelModel.clip_gradients runs on plain tensors

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_train import tiny_run_config
 
 from boostlr.cli import main
 from boostlr.config import build_config, dump_toml
@@ -43,18 +44,16 @@ def test_plot_one_real_run(
     small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
-    cfg = build_config(
-        overrides=[
-            ("model.preset", "tiny"),
-            ("data.path", str(small_dataset)),
-            ("data.seq_len", "32"),
-            ("data.val_batches", "1"),
-            ("train.batch_size", "2"),
-            ("train.steps", "4"),
-            ("train.log_every", "1"),
-            ("train.eval_every", "2"),
-            ("parallel.device", "cpu"),
-        ]
+    cfg = tiny_run_config(
+        small_dataset,
+        **{
+            "data.val_batches": 1,
+            "train.batch_size": 2,
+            "train.steps": 4,
+            "train.warmup": 30,
+            "train.eval_every": 2,
+            "train.ckpt_every": 100,
+        },
     )
     loop.train(cfg, run, console=False)
     out = tmp_path / "one.png"

@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from test_train import tiny_run_config
 
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
@@ -18,19 +19,19 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 
 def _cfg(data: Path, *extra: tuple[str, str]):
-    base = [
-        ("model.preset", "tiny"),
-        ("data.path", str(data)),
-        ("data.seq_len", "32"),
-        ("data.val_batches", "1"),
-        ("train.batch_size", "2"),
-        ("train.steps", "4"),
-        ("train.log_every", "1"),
-        ("train.eval_every", "2"),
-        ("train.ckpt_every", "2"),
-        ("parallel.device", "cpu"),
-    ]
-    return build_config(overrides=[*base, *extra])
+    """test_train's tiny run, shortened: 4 steps of 2 sequences, eval and checkpoint every 2."""
+    return tiny_run_config(
+        data,
+        **{
+            "data.val_batches": 1,
+            "train.batch_size": 2,
+            "train.steps": 4,
+            "train.warmup": 30,
+            "train.eval_every": 2,
+            "train.ckpt_every": 2,
+            **dict(extra),
+        },
+    )
 
 
 def _events(run: Path) -> event_accumulator.EventAccumulator:

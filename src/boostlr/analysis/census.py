@@ -74,6 +74,20 @@ def kind_of(name: str, fresh: bool) -> str:
     return "kernel" if fresh else "view"
 
 
+def tensor_operands(func, args: tuple, kwargs: dict) -> list[tuple[bool, list[torch.Tensor]]]:
+    """Each argument of an aten op as ``(written in place, its tensors)``, from the schema."""
+    schema = func._schema.arguments
+    bound = list(zip(schema, args, strict=False))
+    bound += [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
+    return [
+        (
+            a.alias_info is not None and a.alias_info.is_write,
+            [t for t in tree_leaves(value) if torch.is_tensor(t)],
+        )
+        for a, value in bound
+    ]
+
+
 class OpCensus(TorchDispatchMode):
     """Ops and bytes by ``(phase, kind)``; set ``phase`` between forward and backward."""
 
@@ -88,15 +102,11 @@ class OpCensus(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        schema = func._schema.arguments
-        bound = list(zip(schema, args, strict=False))
-        bound += [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
         inputs: list[torch.Tensor] = []
         mutated: list[torch.Tensor] = []
-        for arg, value in bound:
-            tensors = [t for t in tree_leaves(value) if torch.is_tensor(t)]
+        for written, tensors in tensor_operands(func, args, kwargs):
             inputs += tensors
-            if arg.alias_info is not None and arg.alias_info.is_write:
+            if written:
                 mutated += tensors
         results = [t for t in tree_leaves(out) if torch.is_tensor(t)]
         storages = {_storage(t) for t in inputs}

@@ -15,10 +15,13 @@ dispatches (``tests/op_census.py``) for every strategy and arch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 from boostlr.config import ModelConfig
 from boostlr.models.llama import linear_shapes
+
+Record = TypeVar("Record")
 
 FP32 = 4
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -162,6 +165,11 @@ LAX_LATENT = (12, 30)  # LaX per linear: a + G(z), LN_r, σ; backward incl. z's 
 LAX_LATENT_FIRST = (9, 30)  # block 0: no crossing gate
 
 
+def _fieldwise_sum(a: Record, b: Record) -> Record:
+    """Two records of the same dataclass added field by field."""
+    return type(a)(*(getattr(a, f.name) + getattr(b, f.name) for f in fields(a)))
+
+
 @dataclass(frozen=True)
 class ElementWise:
     """Non-GEMM work of one rank: bytes moved forward and backward, and the elements that
@@ -173,12 +181,7 @@ class ElementWise:
     silu_bwd: float = 0.0
 
     def __add__(self, o: ElementWise) -> ElementWise:
-        return ElementWise(
-            self.fwd + o.fwd,
-            self.bwd + o.bwd,
-            self.silu_fwd + o.silu_fwd,
-            self.silu_bwd + o.silu_bwd,
-        )
+        return _fieldwise_sum(self, o)
 
     def scaled(self, k: float) -> ElementWise:
         return ElementWise(self.fwd * k, self.bwd * k, self.silu_fwd * k, self.silu_bwd * k)
@@ -360,12 +363,7 @@ class OpCount:
     views_bwd: int = 0
 
     def __add__(self, o: OpCount) -> OpCount:
-        return OpCount(
-            self.kernels_fwd + o.kernels_fwd,
-            self.views_fwd + o.views_fwd,
-            self.kernels_bwd + o.kernels_bwd,
-            self.views_bwd + o.views_bwd,
-        )
+        return _fieldwise_sum(self, o)
 
 
 # Per block, by the code path a block runs (fp32, ``grouping`` on, ``norm`` online, no
