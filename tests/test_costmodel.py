@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import pytest
@@ -421,12 +421,32 @@ TP_CASES = [
     ("cola", "btp", 2),
     ("svd", "btp", 4),
     ("lax", "btp", 4),
+    ("full", "megatron", 4, "unfused"),
+    ("cola", "btp", 4, "unfused"),
 ]
 ONE_DEVICE_CASES = [("full", "auto", 4), ("full", "auto", 2), ("cola", "auto", 4)]
 ONE_DEVICE_CASES += [("cola", "auto", 2), ("svd", "auto", 4), ("lax", "auto", 4)]
+# The unfused head + loss (train.fused_loss false; pipelines), one device and vocab-parallel.
+ONE_DEVICE_CASES += [("cola", "auto", 4, "unfused")]
+# The fused loss in 4 chunks of 8 tokens (the vocabulary of 96 at 8 rows per chunk).
+ONE_DEVICE_CASES += [("cola", "auto", 4, "chunked")]
 
 
-def _census_config(arch: str, strategy: str, kv_heads: int, tp: int):
+@contextmanager
+def _chunking(flags: list[str]):
+    """``chunked`` cases: the fused loss's chunks shrunk to 8 rows of the census vocabulary."""
+    from boostlr.parallel import head_loss
+
+    saved = head_loss.CHUNK_BYTES
+    if "chunked" in flags:
+        head_loss.CHUNK_BYTES = 8 * 4 * 96
+    try:
+        yield
+    finally:
+        head_loss.CHUNK_BYTES = saved
+
+
+def _census_config(arch: str, strategy: str, kv_heads: int, tp: int, *flags: str):
     b, s = CENSUS_TOKENS
     over = {
         "model.preset": "tiny",
@@ -439,6 +459,7 @@ def _census_config(arch: str, strategy: str, kv_heads: int, tp: int):
         "train.batch_size": b,
         "parallel.tp": tp,
         "parallel.tp_strategy": strategy,
+        "train.fused_loss": "unfused" not in flags,
     }
     return build_config(overrides=[(k, str(v)) for k, v in over.items()])
 
@@ -460,8 +481,9 @@ def take_census(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dic
 
     out = {}
     b, s = CENSUS_TOKENS
-    for arch, strategy, kv_heads in cases:
-        cfg = _census_config(arch, strategy, kv_heads, world)
+    for case in cases:
+        arch, strategy, kv_heads, *flags = case
+        cfg = _census_config(arch, strategy, kv_heads, world, *flags)
         part = ParallelModel.build(cfg, torch.device("cpu")).stages[0]
         r = cfg.model.rank
         width = cfg.model.dim // world if strategy == "btp" else cfg.model.dim
@@ -484,11 +506,11 @@ def take_census(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dic
         part(tokens[:, :-1], targets=tokens[:, 1:]).backward()  # warm
         part.zero_grad(set_to_none=True)
         census = OpCensus()
-        with census:
+        with _chunking(flags), census:
             loss = part(tokens[:, :-1], targets=tokens[:, 1:])
         census_backward(census, [loss])
         result["step"] = _census_of(census)
-        out[(arch, strategy, kv_heads)] = result
+        out[case] = result
     return out
 
 
@@ -501,10 +523,11 @@ def _check_census(tp: int, counted: dict) -> None:
     )
 
     b, s = CENSUS_TOKENS
-    for (arch, strategy, kv_heads), result in counted.items():
-        cfg = _census_config(arch, strategy, kv_heads, tp)
+    for label, result in counted.items():
+        arch, strategy, kv_heads, *flags = label
+        cfg = _census_config(arch, strategy, kv_heads, tp, *flags)
         m, run = cfg.model, cfg.parallel.strategy_for(arch)
-        label = (arch, strategy, kv_heads)
+        fused = cfg.train.fused_loss
         for layer in (0, 1):
             got = result[str(layer)]
             ops = block_ops(m, run, tp, layer)
@@ -519,12 +542,13 @@ def _check_census(tp: int, counted: dict) -> None:
         rest_ops = tuple(
             a - b0 - b1 for a, b0, b1 in zip(step["ops"], one["ops"], two["ops"], strict=True)
         )
-        ops = head_ops(m, run, tp)
+        with _chunking(flags):
+            ops = head_ops(m, run, tp, b * s, fused)
         assert rest_ops == (ops.kernels_fwd, ops.views_fwd, ops.kernels_bwd, ops.views_bwd), label
         rest = [
             a - b0 - b1 for a, b0, b1 in zip(step["bytes"], one["bytes"], two["bytes"], strict=True)
         ]
-        ew = head_elementwise(m, run, tp, b * s, 4, s)
+        ew = head_elementwise(m, run, tp, b * s, 4, s, fused)
         for model, census in zip((ew.fwd, ew.bwd), rest, strict=True):
             assert abs(model / census - 1) <= EW_TOL, (label, "head", model, census)
 

@@ -133,18 +133,18 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(
 
     def poisoned_build(*args, **kwargs):
         model = real_build(*args, **kwargs)
-        real_head = model.head  # where the loss is computed, whichever path runs the blocks
+        real_norm = model.norm.forward  # the final norm feeds the loss on every path
         count = {"n": 0}
 
-        def head(x, targets=None):
-            out = real_head(x, targets)
+        def final_norm(x):
+            out = real_norm(x)
             if model.training:
                 count["n"] += 1
                 if count["n"] == 5:
                     return out * float("nan")
             return out
 
-        model.head = head
+        model.norm.forward = final_norm
         return model
 
     monkeypatch.setattr(engine, "build_model", poisoned_build)

@@ -21,6 +21,7 @@ from boostlr.config import build_config
 from boostlr.models.llama import build_model
 from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.parallel.context import TPContext
+from boostlr.parallel.head_loss import head_cross_entropy
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.parallel.vocab import (
     vocab_parallel_cross_entropy,
@@ -59,6 +60,49 @@ def _check_loss(comm: GroupComm, vocab: int, scale: float) -> dict:
         "ref_loss": ref.item(),
         "grad_ok": local.grad is not None
         and torch.allclose(local.grad, ref_logits.grad[:, start:end], **TOL),
+    }
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor, natural: float) -> float:
+    """Worst element error relative to the largest element, or to the gradient's natural
+    size when that is larger (at V=1 the exact gradient is 0). 0 for empty slices."""
+    if want.numel() == 0:
+        return 0.0
+    return ((got - want).abs().max() / max(want.abs().max().item(), natural)).item()
+
+
+def _check_fused_head(comm: GroupComm, vocab: int, scale: float) -> dict:
+    """The fused head + loss on this rank's rows of ``W`` against the unfused single device.
+
+    Chunks of 5 rows do not divide the 12 tokens; this rank's input gradient is its partial
+    sum (the strategies reduce it), so the ranks' sum must equal the single-device one.
+    """
+    gen = torch.Generator().manual_seed(200 + vocab)
+    h, weight = (
+        scale * torch.randn(N_TOKENS, 3, generator=gen),
+        torch.randn(vocab, 3, generator=gen),
+    )
+    targets = torch.arange(N_TOKENS) % vocab
+    ref_h, ref_w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(ref_h, ref_w), targets)
+    (0.5 * ref).backward()
+    start, end = vocab_range(vocab, comm)
+    local_h, local_w = h.clone().requires_grad_(), weight[start:end].clone().requires_grad_()
+    comm.ledger.reset()
+    loss = head_cross_entropy(local_h, local_w, targets, vocab, comm, rows=5)
+    (0.5 * loss).backward()
+    records = [(r.op, r.tag, r.elements, r.phase) for r in comm.ledger.records]
+    grad_h = local_h.grad.clone()
+    dist.all_reduce(grad_h)
+    return {
+        "loss": loss.item(),
+        "ref_loss": ref.item(),
+        # Each gradient is (softmax - onehot)/N times the other operand.
+        "grad_h_error": _relative_error(grad_h, ref_h.grad, weight.abs().max().item() / N_TOKENS),
+        "grad_w_error": _relative_error(
+            local_w.grad, ref_w.grad[start:end], h.abs().max().item() / N_TOKENS
+        ),
+        "records": records,
     }
 
 
@@ -106,6 +150,7 @@ def _run(rank: int, world_size: int) -> dict:
     comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
     return {
         "loss": {case: _check_loss(comm, *case) for case in CASES},
+        "fused": {case: _check_fused_head(comm, *case) for case in CASES},
         "embedding": {vocab: _check_embedding(comm, vocab) for vocab, _ in CASES},
         "model": _check_model(comm),
     }
@@ -125,6 +170,23 @@ def test_loss_and_logit_grad_match_single_device(results: list[dict], case: tupl
         assert math.isfinite(check["loss"]), f"rank {rank} ({check['rows']} rows)"
         assert check["loss"] == pytest.approx(check["ref_loss"], rel=1e-5)
         assert check["grad_ok"], f"rank {rank} ({check['rows']} rows): logit gradient differs"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"V{v}-scale{s:g}" for v, s in CASES])
+def test_fused_head_loss_matches_single_device(results: list[dict], case: tuple) -> None:
+    """Loss, the ranks' summed input gradient and each weight slice's gradient; the same
+    three ``[N]`` all-reduces as the unfused vocab-parallel loss."""
+    for rank, res in enumerate(results):
+        check = res["fused"][case]
+        assert check["loss"] == pytest.approx(check["ref_loss"], rel=1e-5), f"rank {rank}"
+        # fp32: exp of logits of magnitude L carries relative error ~L·2^-24 (L ~ 250 at
+        # scale 80), in either summation order.
+        bound = 2e-5 if case[1] > 1 else 1e-6
+        assert check["grad_h_error"] < bound, f"rank {rank}: {check['grad_h_error']}"
+        assert check["grad_w_error"] < bound, f"rank {rank}: {check['grad_w_error']}"
+        assert check["records"] == [
+            ("all_reduce", tag, N_TOKENS, "fwd") for tag in ("ce_max", "ce_sum_exp", "ce_target")
+        ]
 
 
 def test_empty_slices_occur(results: list[dict]) -> None:

@@ -161,6 +161,10 @@ class TrainConfig:
     # trim), so the large tensors every step reallocates skip the kernel's page faults.
     # Measured 1.2x (fp32) to 1.7x (bf16) on the 60M shape, for about 1.3x the peak RSS.
     cpu_alloc_cache: bool = True
+    # The LM head and its cross-entropy in one step: each chunk of logits becomes its
+    # gradient while in cache; one [tokens, vocab] buffer kept instead of about four
+    # (pipeline runs keep the unfused loss: their schedule owns it).
+    fused_loss: bool = True
     # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
     # x dp. When set it derives grad_accum (it must divide evenly).
     global_batch: int = 0

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-GEMMS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
+GEMMS = ("aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.addmm.default")
 INDEXING = (
     "aten.embedding.default",
     "aten.gather.default",

@@ -258,8 +258,10 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             head = head_gemms(m, strategy, p.tp, tokens)
             fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
             bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
-            ew_f, ew_b = elementwise_time(head_elementwise(m, strategy, p.tp, tokens, a, s), hw, a)
-            ops_f, ops_b = ops_time(head_ops(m, strategy, p.tp), hw)
+            fused = cfg.train.fused_loss and p.pp == 1  # a pipeline's schedule owns its loss
+            head_ew = head_elementwise(m, strategy, p.tp, tokens, a, s, fused)
+            ew_f, ew_b = elementwise_time(head_ew, hw, a)
+            ops_f, ops_b = ops_time(head_ops(m, strategy, p.tp, tokens, fused, a), hw)
             fwd, bwd = fwd + ew_f + ops_f, bwd + ew_b + ops_b
         out.fwd += fwd
         out.bwd += bwd

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from boostlr.config import ModelConfig
 from boostlr.models.llama import linear_shapes
+from boostlr.parallel.head_loss import chunk_rows
 
 Record = TypeVar("Record")
 
@@ -316,36 +317,58 @@ def _btp_elementwise(
 # logits, the embedding's dense gradient (the whole table slice written).
 CE_VOCAB_PARALLEL = (8, 4)
 CE_LOCAL = (2, 4)
+# The fused head + loss (parallel/head_loss.py), in bytes per token: fp32 passes over the
+# rank's v logits (log-sum-exp, subtract, exp; vocab-parallel: the rescale to the global
+# softmax), ~300 B of per-token bookkeeping, under bf16 the chunk's fp32 copy and its copy
+# back (12 B per logit); the backward only scales the two d-wide gradients (4 passes).
+CE_FUSED = (5, 2)
+CE_FUSED_ROWS = 300
+CE_FUSED_HALF = 12
+CE_FUSED_BWD = 4
 
 
 ROPE_TABLES = 8.5  # cos and sin tables per forward: passes over [seq, head_dim] (fp32)
 
 
 def head_elementwise(
-    cfg: ModelConfig, strategy: str | None, tp: int, tokens: int, act: int, seq: int = 0
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    tokens: int,
+    act: int,
+    seq: int = 0,
+    fused: bool = True,
 ) -> ElementWise:
     """Embedding, RoPE tables, final norm and loss on one rank (the LM head is a
-    :class:`Gemm`); ``seq`` is the sequence length (the tables' size)."""
+    :class:`Gemm`); ``seq`` is the sequence length (the tables' size); ``fused``: the head
+    and loss as one step (``train.fused_loss``, not under pipelining)."""
     t = tp if strategy else 1
     d, v = cfg.dim, -(-cfg.vocab_size // t)
     norm_f, norm_b = NORM
+    fused_f = fused_b = 0  # bytes per token
+    if fused:
+        passes = CE_FUSED[0] + (CE_FUSED[1] if t > 1 else 0)
+        fused_f = passes * v * FP32 + CE_FUSED_ROWS + (CE_FUSED_HALF * v if act < FP32 else 0)
+        fused_b = CE_FUSED_BWD * d * act
     if t == 1:
-        ce_f, ce_b = CE_LOCAL
+        ce_f, ce_b = (0, 0) if fused else CE_LOCAL
         fwd, bwd = 2 * d + norm_f * d + ce_f * v, norm_b * d + d + ce_b * v
         table = cfg.vocab_size * d
     elif strategy == "btp":  # local lookup of d/t; the last hidden gathered (and its grad
         dl = d // t  # reduce-scattered: copies both ways)
-        ce_f, ce_b = CE_VOCAB_PARALLEL
+        ce_f, ce_b = (0, 0) if fused else CE_VOCAB_PARALLEL
         fwd = 2 * dl + CLONE * d + norm_f * d + ce_f * v
         bwd = norm_b * d + CLONE * d + CLONE * dl + dl + ce_b * v
         table = cfg.vocab_size * dl
     else:  # vocab-parallel embedding: mask, lookup, all-reduce copy; head input's grad copy
-        ce_f, ce_b = CE_VOCAB_PARALLEL
+        ce_f, ce_b = (0, 0) if fused else CE_VOCAB_PARALLEL
         fwd = 2 * d + 2 * d + CLONE * d + norm_f * d + ce_f * v
         bwd = norm_b * d + CLONE * d + 2 * d + d + ce_b * v
         table = v * d
     rope = ROPE_TABLES * seq * cfg.head_dim * FP32
-    return ElementWise(fwd * tokens * act + rope, bwd * tokens * act + table * FP32)
+    return ElementWise(
+        (fwd * act + fused_f) * tokens + rope, (bwd * act + fused_b) * tokens + table * FP32
+    )
 
 
 # ----------------------------------------------------------------------------- op counts
@@ -364,6 +387,9 @@ class OpCount:
 
     def __add__(self, o: OpCount) -> OpCount:
         return _fieldwise_sum(self, o)
+
+    def __mul__(self, k: int) -> OpCount:
+        return OpCount(*(k * getattr(self, f.name) for f in fields(self)))
 
 
 # Per block, by the code path a block runs (fp32, ``grouping`` on, ``norm`` online, no
@@ -402,6 +428,17 @@ HEAD_OPS: dict[str, OpCount] = {
     "vocab_parallel": OpCount(45, 30, 25, 16),  # megatron and vanilla
     "btp": OpCount(41, 38, 28, 28),
 }
+# The same with the fused head + loss, in one chunk of tokens; each further chunk adds
+# HEAD_CHUNK_OPS (bf16: the chunk's fp32 copy and the copy back too) and, once, the slices
+# a single chunk does not need.
+HEAD_OPS_FUSED: dict[str, OpCount] = {
+    "plain": OpCount(47, 18, 17, 6),
+    "vocab_parallel": OpCount(66, 32, 19, 11),
+    "btp": OpCount(62, 40, 22, 23),
+}
+HEAD_CHUNK_OPS = OpCount(9, 11)
+HEAD_CHUNK_HALF = OpCount(2, 0)
+HEAD_CHUNKED_VIEWS = OpCount(0, 3)
 
 
 def _path(cfg: ModelConfig, strategy: str | None, tp: int, grouping: bool) -> str:
@@ -439,8 +476,20 @@ def block_ops(
     return ops
 
 
-def head_ops(cfg: ModelConfig, strategy: str | None, tp: int) -> OpCount:
+def head_ops(
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    tokens: int = 1,
+    fused: bool = True,
+    act: int = FP32,
+) -> OpCount:
+    """Ops of everything outside the blocks; the fused loss adds ops per chunk of tokens."""
     t = tp if strategy else 1
-    if t == 1:
-        return HEAD_OPS["plain"]
-    return HEAD_OPS["btp" if strategy == "btp" else "vocab_parallel"]
+    path = "plain" if t == 1 else "btp" if strategy == "btp" else "vocab_parallel"
+    if not fused:
+        return HEAD_OPS[path]
+    chunks = -(-tokens // chunk_rows(-(-cfg.vocab_size // t)))
+    per_chunk = HEAD_CHUNK_OPS + (HEAD_CHUNK_HALF if act < FP32 else OpCount())
+    extra = per_chunk * (chunks - 1) + (HEAD_CHUNKED_VIEWS if chunks > 1 else OpCount())
+    return HEAD_OPS_FUSED[path] + extra

@@ -58,8 +58,9 @@ def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
     return F.embedding(tokens, local(model.embed_tokens.weight))
 
 
-def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
-    """All-gather the last hidden state once; this rank's vocabulary slice of the logits.
+def head_input(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
+    """All-gather the last hidden state once and normalise it; every rank multiplies it by
+    its vocabulary slice.
 
     The head's input gradient is a partial sum per rank, so the gathers reduce-scatter it
     (and the final norm's gain gradient) back to d-slices in the backward.
@@ -68,7 +69,7 @@ def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
     gain = gather_from_group(
         local(model.norm.weight), ctx.comm, "final_norm_gain", dim=0, grad="reduce_scatter"
     )
-    return F.linear(rms_norm(x_full, gain, model.norm.eps), local(model.lm_head.weight))
+    return rms_norm(x_full, gain, model.norm.eps)
 
 
 # ------------------------------------------------------------------------ norm + down-proj

@@ -37,6 +37,7 @@ def build_stages(
         act_ckpt=p.act_ckpt,
         compile=cfg.train.compile,
         tp_overlap=p.tp_overlap,
+        fused_loss=cfg.train.fused_loss,
     )
     stages = []
     for stage in stage_ids(p, pp_rank):

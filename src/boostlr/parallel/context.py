@@ -37,6 +37,8 @@ class TPContext:
     # btp: each B starts its latents' backward all-reduce before its weight-gradient GEMM
     # (eager only: a compiled region holds no collective).
     tp_overlap: bool = True
+    # The LM head GEMM and the cross-entropy as one step (:mod:`boostlr.parallel.head_loss`).
+    fused_loss: bool = True
 
     @property
     def overlap(self) -> bool:

@@ -49,7 +49,14 @@ class ParallelModel:
         if not dist.is_initialized():
             comms = single_process_comms()
             ctx = TPContext(
-                comms.tp, cfg.model, p.norm, p.grouping, p.act_ckpt, cfg.train.compile, p.tp_overlap
+                comms.tp,
+                cfg.model,
+                p.norm,
+                p.grouping,
+                p.act_ckpt,
+                cfg.train.compile,
+                p.tp_overlap,
+                cfg.train.fused_loss,
             )
             full = build_model(cfg.model, seed=cfg.train.seed, device=device)
             stages = [TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx)]

@@ -45,10 +45,9 @@ def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
     )
 
 
-def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
-    """Final norm on the replicated stream, then this rank's vocabulary slice of the logits."""
-    h = copy_to_group(wire(model.norm(x)), ctx.comm, "head_in")
-    return F.linear(h, local(model.lm_head.weight))
+def head_input(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
+    """Final norm on the replicated stream; every rank multiplies it by its vocabulary slice."""
+    return copy_to_group(wire(model.norm(x)), ctx.comm, "head_in")
 
 
 def block_forward(

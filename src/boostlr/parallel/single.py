@@ -38,5 +38,6 @@ def block_forward(
     return block.compute(x, rope, z_prev)
 
 
-def head_logits(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
-    return model.head(x)
+def head_input(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
+    """The final norm: what the LM head multiplies."""
+    return model.norm(x)

@@ -11,13 +11,16 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from boostlr.models.llama import LlamaModel, rope_tables
+from boostlr.models.params import local
 from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.collectives import GroupComm, all_reduce_
 from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext
+from boostlr.parallel.head_loss import head_cross_entropy
 from boostlr.parallel.sharding import (
     ShardSpec,
     shard_module,
@@ -83,7 +86,12 @@ class TensorParallelModel(nn.Module):
                 x, z = block(x, rope, z, impl=self._block_impl)
         if not self.model.last:
             return (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else x
-        logits = s.head_logits(self.model, x, ctx)
+        h = s.head_input(self.model, x, ctx)
+        head = local(self.model.lm_head.weight)
+        if targets is not None and ctx.fused_loss:
+            vocab = self.cfg.vocab_size
+            return head_cross_entropy(h.flatten(0, 1), head, targets.flatten(), vocab, ctx.comm)
+        logits = F.linear(h, head)
         return logits if targets is None else self.loss(logits, targets)
 
     def _block_impl(self, block, x, rope, z_prev):

@@ -28,7 +28,7 @@ from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
 # The dense parts (embedding, LM head, loss) are Megatron's vocab-parallel ones.
 embed = megatron.embed
-head_logits = megatron.head_logits
+head_input = megatron.head_input
 
 
 def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:

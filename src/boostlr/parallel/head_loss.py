@@ -1,0 +1,129 @@
+"""The LM head and its cross-entropy as one step: logits are written once and never kept.
+
+The unfused path keeps the logits, their fp32 copy, the log-softmax and a zero-filled
+gradient, each ``[N, V]``: at a 32k vocabulary that is most of a small model's activation
+memory and several passes over it. Here the head GEMM writes each chunk of rows into one
+buffer, which is turned into the (unscaled) gradient ``softmax − onehot`` while the chunk
+is still in cache; the backward is two GEMMs on that buffer. One buffer in the compute
+dtype is all that is kept.
+
+With the vocabulary split over TP ranks, each rank turns its slice into a *local* softmax
+and combines the per-row log-sum-exps with the same three ``[N]`` all-reduces as
+:func:`boostlr.parallel.vocab.vocab_parallel_cross_entropy` (a max, a sum of exponentials,
+the target logit); the local softmax is then rescaled to the global one. The backward needs
+no communication. Same math as the unfused path; only the order of floating-point sums
+differs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from boostlr.parallel.collectives import GroupComm, all_reduce_
+from boostlr.parallel.vocab import vocab_range
+
+#: fp32 logits per chunk: few chunks (each is ~15 kernel launches), a bounded fp32 temporary
+#: under autocast. 64 MiB is 524 rows of a 32k vocabulary. On the 2-core CPU the step time
+#: did not depend on the chunk size from 32 to 2048 rows of that vocabulary.
+CHUNK_BYTES = 64 * 2**20
+
+
+def chunk_rows(cols: int) -> int:
+    """Rows per chunk for ``cols`` vocabulary columns on this rank."""
+    return max(1, CHUNK_BYTES // (4 * max(cols, 1)))
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """``mean_t CE(h_t Wᵀ, y_t)`` over this rank's vocabulary slice ``W [V/t, d]``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        h: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        vocab_size: int,
+        comm: GroupComm,
+        rows: int,
+    ) -> Tensor:
+        start, end = vocab_range(vocab_size, comm)
+        cols = end - start
+        device = h.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else h.dtype
+        n = h.shape[0]
+        with torch.autocast(device, enabled=False):
+            # A no-op slice would still cost a zero-filled weight gradient in the backward.
+            w_c = weight if weight.shape[0] == cols else weight[:cols]
+            h_c, w_c = h.to(dtype), w_c.to(dtype)
+            grad = torch.empty(n, cols, dtype=dtype, device=h.device)
+            lse = torch.empty(n, dtype=torch.float32, device=h.device)
+            inside = (targets >= start) & (targets < end)
+            local_t = (targets - start).masked_fill(~inside, 0)
+            target_logit = torch.zeros(n, dtype=torch.float32, device=h.device)
+            for r0 in range(0, n, rows) if cols else ():
+                r1 = min(r0 + rows, n)
+                logits = torch.mm(h_c[r0:r1], w_c.t(), out=grad[r0:r1])
+                l32 = logits.float()  # the buffer itself in fp32, a cache-sized copy in bf16
+                picked = l32.gather(-1, local_t[r0:r1, None]).squeeze(-1)
+                target_logit[r0:r1] = torch.where(inside[r0:r1], picked, 0.0)
+                lse[r0:r1] = torch.logsumexp(l32, -1)
+                # The local softmax (the global one at TP 1) scaled by 1/n: the mean's factor.
+                l32.sub_((lse[r0:r1] + math.log(n)).unsqueeze(-1)).exp_()
+                if l32 is not logits:
+                    logits.copy_(l32)
+            if not cols:
+                lse.fill_(-math.inf)  # an empty slice: no mass; -inf is the identity of MAX
+            if comm.size > 1:
+                local_lse = lse
+                row_max = all_reduce_(local_lse.clone(), comm, "ce_max", op=dist.ReduceOp.MAX)
+                sum_exp = all_reduce_((local_lse - row_max).exp(), comm, "ce_sum_exp")
+                target_shifted = torch.where(inside, target_logit - row_max, 0.0)
+                all_reduce_(target_shifted, comm, "ce_target")
+                lse = row_max + sum_exp.log()
+                loss = (sum_exp.log() - target_shifted).mean()
+                if cols:  # local softmax -> this slice of the global one
+                    grad.mul_((local_lse - lse).exp().to(dtype).unsqueeze(-1))
+            else:
+                loss = (lse - target_logit).mean()
+            if cols:
+                rows = torch.arange(n, device=h.device)
+                grad[rows, local_t] -= (inside.to(torch.float32) / n).to(dtype)
+        ctx.save_for_backward(grad, h_c, w_c)
+        ctx.h_dtype, ctx.w_dtype, ctx.w_rows = h.dtype, weight.dtype, weight.shape[0]
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):  # type: ignore[override]
+        grad, h_c, w_c = ctx.saved_tensors
+        scale = grad_loss.to(grad.dtype)
+        grad_h = torch.mm(grad, w_c).mul_(scale).to(ctx.h_dtype)
+        grad_w = torch.mm(grad.t(), h_c * scale).to(ctx.w_dtype)
+        if grad_w.shape[0] != ctx.w_rows:  # rows past the vocabulary get no gradient
+            grad_w = F.pad(grad_w, (0, 0, 0, ctx.w_rows - grad_w.shape[0]))
+        return grad_h, grad_w, None, None, None, None
+
+
+def head_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_size: int,
+    comm: GroupComm,
+    rows: int | None = None,
+) -> Tensor:
+    """Mean token cross-entropy of ``h [N, d] · weight [V/t, d]ᵀ`` against ``targets [N]``.
+
+    ``weight`` is this rank's vocabulary slice (all of it at TP 1); under autocast the GEMMs
+    run in the autocast dtype and the softmax in fp32, as the unfused path does. ``rows``
+    per chunk: :func:`chunk_rows` unless given.
+    """
+    if rows is None:
+        start, end = vocab_range(vocab_size, comm)
+        rows = chunk_rows(end - start)
+    return _HeadCrossEntropy.apply(h, weight, targets, vocab_size, comm, rows)
