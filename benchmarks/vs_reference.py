@@ -102,7 +102,13 @@ def child_boostlr(args: argparse.Namespace) -> dict:
     )
     cfg.model.vocab_size = SHAPE["vocab"]
     comm = GroupComm(None, "tp", CommLedger())
-    ctx = TPContext(comm, cfg.model, grouping=not args.no_grouping, compile=args.compile)
+    ctx = TPContext(
+        comm,
+        cfg.model,
+        grouping=not args.no_grouping,
+        compile=args.compile,
+        fused_loss=not args.unfused_loss,
+    )
     model = TensorParallelModel(build_model(cfg.model, seed=0), None, ctx)
     optimizer = build_optimizer(model.parameters(), cfg.train)
     tokens = _tokens(torch)
@@ -133,6 +139,7 @@ def _run_child(variant: str, dtype: str, args: argparse.Namespace) -> float:
     cmd += ["--threads", str(args.threads), "--ref-repo", args.ref_repo]
     cmd += ["--compile"] if compiled else []
     cmd += ["--no-grouping"] if args.no_grouping else []
+    cmd += ["--unfused-loss"] if variant == "boostlr-unfused" else []
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if variant == "ref+alloc":
         env.update(GLIBC_KEEP)
@@ -154,6 +161,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip boostlr+compile (bf16)")
     parser.add_argument("--no-grouping", action="store_true", help="boostlr's ungrouped block")
+    parser.add_argument(
+        "--with-unfused",
+        action="store_true",
+        help="also boostlr with train.fused_loss off (boostlr-unfused)",
+    )
+    parser.add_argument("--unfused-loss", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("ref", "boostlr"), help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -167,6 +180,7 @@ def main() -> None:
 
     variants = {
         dtype: ["ref", "ref+alloc", "boostlr"]
+        + (["boostlr-unfused"] if args.with_unfused else [])
         + (["boostlr+compile"] if dtype == "bfloat16" and not args.no_compile else [])
         for dtype in args.dtypes
     }
