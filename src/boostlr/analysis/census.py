@@ -104,12 +104,14 @@ class OpCensus(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs: list[torch.Tensor] = []
         mutated: list[torch.Tensor] = []
+        out_variant = func._schema.overload_name == "out"  # ``out=`` is written, not read
         for written, tensors in tensor_operands(func, args, kwargs):
-            inputs += tensors
+            if not (written and out_variant):
+                inputs += tensors
             if written:
                 mutated += tensors
         results = [t for t in tree_leaves(out) if torch.is_tensor(t)]
-        storages = {_storage(t) for t in inputs}
+        storages = {_storage(t) for t in inputs + mutated}
         fresh = [t for t in results if _storage(t) not in storages]
         name = str(func)
         kind = kind_of(name, bool(fresh or mutated or not results))

@@ -317,14 +317,16 @@ def _btp_elementwise(
 # logits, the embedding's dense gradient (the whole table slice written).
 CE_VOCAB_PARALLEL = (8, 4)
 CE_LOCAL = (2, 4)
-# The fused head + loss (parallel/head_loss.py), in bytes per token: fp32 passes over the
-# rank's v logits (log-sum-exp, subtract, exp; vocab-parallel: the rescale to the global
-# softmax), ~300 B of per-token bookkeeping, under bf16 the chunk's fp32 copy and its copy
-# back (12 B per logit); the backward only scales the two d-wide gradients (4 passes).
-CE_FUSED = (5, 2)
-CE_FUSED_ROWS = 300
-CE_FUSED_HALF = 12
-CE_FUSED_BWD = 4
+# The fused head + loss (parallel/head_loss.py), bytes per logit of the rank's v, by
+# activation size: one device / vocabulary-parallel. fp32: log-softmax and exp into the
+# buffer (2 + 2 passes), vocab-parallel also the row max and the rescale to the global
+# softmax; bf16: the chunk's cast to fp32 first, the exp written back as bf16, the max and
+# rescale on bf16. Plus ~180 B of per-token bookkeeping (targets, gathers, the loss), and in
+# the backward the two d-wide gradients scaled by 1/N (fp32 16 B per d; bf16 28 B: the
+# casts around them).
+CE_FUSED_LOGIT = {4: (16, 28), 2: (20, 26)}
+CE_FUSED_ROWS = 180
+CE_FUSED_BWD = {4: 16, 2: 28}
 
 
 ROPE_TABLES = 8.5  # cos and sin tables per forward: passes over [seq, head_dim] (fp32)
@@ -347,9 +349,8 @@ def head_elementwise(
     norm_f, norm_b = NORM
     fused_f = fused_b = 0  # bytes per token
     if fused:
-        passes = CE_FUSED[0] + (CE_FUSED[1] if t > 1 else 0)
-        fused_f = passes * v * FP32 + CE_FUSED_ROWS + (CE_FUSED_HALF * v if act < FP32 else 0)
-        fused_b = CE_FUSED_BWD * d * act
+        fused_f = CE_FUSED_LOGIT[act][t > 1] * v + CE_FUSED_ROWS
+        fused_b = CE_FUSED_BWD[act] * d
     if t == 1:
         ce_f, ce_b = (0, 0) if fused else CE_LOCAL
         fwd, bwd = 2 * d + norm_f * d + ce_f * v, norm_b * d + d + ce_b * v
@@ -429,16 +430,16 @@ HEAD_OPS: dict[str, OpCount] = {
     "btp": OpCount(41, 38, 28, 28),
 }
 # The same with the fused head + loss, in one chunk of tokens; each further chunk adds
-# HEAD_CHUNK_OPS (bf16: the chunk's fp32 copy and the copy back too) and, once, the slices
-# a single chunk does not need.
+# HEAD_CHUNK_OPS (vocab-parallel: also the row max for the slice's log-sum-exp; bf16: the
+# chunk's cast to fp32, counted at TP 1) and, once, the slices a single chunk does not need.
 HEAD_OPS_FUSED: dict[str, OpCount] = {
-    "plain": OpCount(47, 18, 17, 6),
-    "vocab_parallel": OpCount(66, 32, 19, 11),
-    "btp": OpCount(62, 40, 22, 23),
+    "plain": OpCount(43, 16, 18, 6),
+    "vocab_parallel": OpCount(67, 31, 20, 11),
+    "btp": OpCount(63, 39, 23, 23),
 }
-HEAD_CHUNK_OPS = OpCount(9, 11)
-HEAD_CHUNK_HALF = OpCount(2, 0)
-HEAD_CHUNKED_VIEWS = OpCount(0, 3)
+HEAD_CHUNK_OPS = {"plain": OpCount(6, 8), "vocab_parallel": OpCount(10, 10)}
+HEAD_CHUNKED_VIEWS = {"plain": OpCount(0, 2), "vocab_parallel": OpCount(0, 3)}
+HEAD_CHUNK_HALF = OpCount(1, 0)
 
 
 def _path(cfg: ModelConfig, strategy: str | None, tp: int, grouping: bool) -> str:
@@ -490,6 +491,7 @@ def head_ops(
     if not fused:
         return HEAD_OPS[path]
     chunks = -(-tokens // chunk_rows(-(-cfg.vocab_size // t)))
-    per_chunk = HEAD_CHUNK_OPS + (HEAD_CHUNK_HALF if act < FP32 else OpCount())
-    extra = per_chunk * (chunks - 1) + (HEAD_CHUNKED_VIEWS if chunks > 1 else OpCount())
-    return HEAD_OPS_FUSED[path] + extra
+    kind = "plain" if t == 1 else "vocab_parallel"
+    per_chunk = HEAD_CHUNK_OPS[kind] + (HEAD_CHUNK_HALF if act < FP32 else OpCount())
+    once = HEAD_CHUNKED_VIEWS[kind] if chunks > 1 else OpCount()
+    return HEAD_OPS_FUSED[path] + per_chunk * (chunks - 1) + once

@@ -3,9 +3,9 @@
 The unfused path keeps the logits, their fp32 copy, the log-softmax and a zero-filled
 gradient, each ``[N, V]``: at a 32k vocabulary that is most of a small model's activation
 memory and several passes over it. Here the head GEMM writes each chunk of rows into one
-buffer, which is turned into the (unscaled) gradient ``softmax − onehot`` while the chunk
-is still in cache; the backward is two GEMMs on that buffer. One buffer in the compute
-dtype is all that is kept.
+buffer, which one fused log-softmax kernel per chunk turns into the gradient
+``softmax − onehot`` (its 1/N is applied to the narrow operands in the backward); the
+backward is two GEMMs on that buffer. One buffer in the compute dtype is all that is kept.
 
 With the vocabulary split over TP ranks, each rank turns its slice into a *local* softmax
 and combines the per-row log-sum-exps with the same three ``[N]`` all-reduces as
@@ -69,41 +69,41 @@ class _HeadCrossEntropy(torch.autograd.Function):
             for r0 in range(0, n, rows) if cols else ():
                 r1 = min(r0 + rows, n)
                 logits = torch.mm(h_c[r0:r1], w_c.t(), out=grad[r0:r1])
-                l32 = logits.float()  # the buffer itself in fp32, a cache-sized copy in bf16
-                picked = l32.gather(-1, local_t[r0:r1, None]).squeeze(-1)
-                target_logit[r0:r1] = torch.where(inside[r0:r1], picked, 0.0)
-                lse[r0:r1] = torch.logsumexp(l32, -1)
-                # The local softmax (the global one at TP 1) scaled by 1/n: the mean's factor.
-                l32.sub_((lse[r0:r1] + math.log(n)).unsqueeze(-1)).exp_()
-                if l32 is not logits:
-                    logits.copy_(l32)
+                # One fused row-wise kernel (fp32 math); its exp is the local softmax.
+                log_p = torch.log_softmax(logits, -1, dtype=torch.float32)
+                t = local_t[r0:r1, None]
+                target_logit[r0:r1] = torch.where(inside[r0:r1], log_p.gather(-1, t)[:, 0], 0.0)
+                if comm.size > 1:  # this slice's log-sum-exp, exactly: max - log p(max)
+                    top, arg = logits.max(-1, keepdim=True)
+                    lse[r0:r1] = (top.float() - log_p.gather(-1, arg))[:, 0]
+                torch.exp(log_p, out=logits)
             if not cols:
                 lse.fill_(-math.inf)  # an empty slice: no mass; -inf is the identity of MAX
             if comm.size > 1:
+                # target_logit holds log p_local(t) = l_t - lse_local on the owning rank.
                 local_lse = lse
                 row_max = all_reduce_(local_lse.clone(), comm, "ce_max", op=dist.ReduceOp.MAX)
                 sum_exp = all_reduce_((local_lse - row_max).exp(), comm, "ce_sum_exp")
-                target_shifted = torch.where(inside, target_logit - row_max, 0.0)
+                target_shifted = torch.where(inside, target_logit + local_lse - row_max, 0.0)
                 all_reduce_(target_shifted, comm, "ce_target")
-                lse = row_max + sum_exp.log()
                 loss = (sum_exp.log() - target_shifted).mean()
                 if cols:  # local softmax -> this slice of the global one
-                    grad.mul_((local_lse - lse).exp().to(dtype).unsqueeze(-1))
+                    grad.mul_((local_lse - row_max - sum_exp.log()).exp().unsqueeze(-1))
             else:
-                loss = (lse - target_logit).mean()
-            if cols:
+                loss = -target_logit.mean()
+            if cols:  # softmax - onehot; the mean's 1/n is applied in the backward
                 rows = torch.arange(n, device=h.device)
-                grad[rows, local_t] -= (inside.to(torch.float32) / n).to(dtype)
-        ctx.save_for_backward(grad, h_c, w_c)
-        ctx.h_dtype, ctx.w_dtype, ctx.w_rows = h.dtype, weight.dtype, weight.shape[0]
+                grad[rows, local_t] -= inside.to(dtype)
+        ctx.save_for_backward(grad, h, w_c)
+        ctx.w_dtype, ctx.w_rows = weight.dtype, weight.shape[0]
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):  # type: ignore[override]
-        grad, h_c, w_c = ctx.saved_tensors
-        scale = grad_loss.to(grad.dtype)
-        grad_h = torch.mm(grad, w_c).mul_(scale).to(ctx.h_dtype)
-        grad_w = torch.mm(grad.t(), h_c * scale).to(ctx.w_dtype)
+        grad, h, w_c = ctx.saved_tensors
+        scale = grad_loss / grad.shape[0]  # the mean's 1/n, on the two narrow operands
+        grad_h = torch.mm(grad, w_c).float().mul_(scale).to(h.dtype)
+        grad_w = torch.mm(grad.t(), (h * scale).to(grad.dtype)).to(ctx.w_dtype)
         if grad_w.shape[0] != ctx.w_rows:  # rows past the vocabulary get no gradient
             grad_w = F.pad(grad_w, (0, 0, 0, ctx.w_rows - grad_w.shape[0]))
         return grad_h, grad_w, None, None, None, None
