@@ -118,3 +118,24 @@ def test_model_fused_loss_on_and_off(arch: str) -> None:
     assert loss_f == pytest.approx(loss_u, rel=1e-6)
     for name, g in grads_u.items():
         assert _close(grads_f[name], g, 1e-5), name
+
+
+def test_benchmark_runs_and_reports_both_variants() -> None:
+    """benchmarks/head_loss.py on a tiny shape: one row per dtype and variant."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "head_loss.py"
+    args = ["--tokens", "32", "--dim", "16", "--vocab", "64", "--rounds", "1", "--reps", "1"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args, "--threads", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith(("float32 ", "bfloat16 "))]
+    assert [(r[0], r[1]) for r in rows] == [
+        (d, v) for d in ("float32", "bfloat16") for v in ("unfused", "fused")
+    ]
+    assert all(float(r[2]) > 0 and r[4].endswith("x") for r in rows)
