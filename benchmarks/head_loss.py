@@ -4,11 +4,12 @@ usage: ``python benchmarks/head_loss.py [--tokens 2048] [--dim 512] [--vocab 320
 
 Each variant (``unfused``: ``F.cross_entropy(F.linear(h, W).float())``; ``fused``:
 :func:`boostlr.parallel.head_loss.head_cross_entropy`) runs forward + backward in its own
-fresh process, in interleaved rounds, fp32 and bf16 autocast, with the trainer's host
-allocator setting. Time: the median of the timed repetitions, then the median over rounds.
-Memory: what the forward + backward adds to the process's resident set at its peak
-(``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` before),
-so the weight, its gradient and the inputs that both variants hold are in both numbers.
+fresh process, in interleaved rounds, fp32 and bf16 autocast. Memory, measured first with
+glibc's default allocator settings (large blocks returned on free): what one forward +
+backward adds to the resident set at its peak (``VmHWM`` after resetting it through
+``/proc/self/clear_refs``, minus ``VmRSS`` before; the gradients of ``h`` and ``W`` are
+counted, the inputs are not). Time, then with the trainer's host allocator setting: the
+median of the timed repetitions, then the median over rounds.
 Linux only (``/proc``).
 """
 
@@ -38,7 +39,6 @@ def child(args: argparse.Namespace) -> dict:
     from boostlr.parallel.head_loss import head_cross_entropy
     from boostlr.train.host_alloc import keep_freed_host_memory
 
-    keep_freed_host_memory()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(args.tokens, args.dim, generator=gen, requires_grad=True)
@@ -56,12 +56,16 @@ def child(args: argparse.Namespace) -> dict:
                 loss = F.cross_entropy(F.linear(h, w).float(), targets)
         loss.backward()
 
-    step()  # warm: kernels, the allocator's blocks
+    # Memory first, with glibc's defaults: blocks this large are mapped per allocation and
+    # unmapped on free, so the high-water mark is what was alive at once.
+    step()  # warm: imports, kernels
     h.grad = w.grad = None
     rss = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
     step()
     peak_mb = (_status_kb("VmHWM") - rss) / 1024
+    keep_freed_host_memory()  # then time as the trainer runs
+    step()
     times = []
     for _ in range(args.reps):
         started = time.perf_counter()

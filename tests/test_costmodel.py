@@ -565,6 +565,22 @@ def test_op_counts_and_elementwise_traffic_are_torchs() -> None:
 # --- boostlr calibrate's fits -------------------------------------------------------------
 
 
+def test_collective_timings_repeat_equally_on_every_rank() -> None:
+    """calibrate times all-reduces a fixed number of times (a time budget let one rank run
+    more calls than the other: a hang until gloo's timeout). ``budget=0`` runs exactly the
+    warm-up plus ``min_reps`` calls however slow each is."""
+    from boostlr.analysis.calibrate import ALLREDUCE_BYTES, _time, allreduce_reps
+
+    calls = []
+
+    def slow() -> None:
+        calls.append(1)
+
+    _time(slow, budget=0.0, min_reps=7, clock=lambda: float(len(calls)) * 10.0)
+    assert len(calls) == 8
+    assert [allreduce_reps(n) for n in ALLREDUCE_BYTES] == [50, 50, 50, 50, 16, 5]
+
+
 def test_allreduce_fit_is_not_set_by_one_slow_payload() -> None:
     """A payload timed while the machine was busy (10x its neighbours) does not make the
     latency: the fit weighs every payload by its relative error and drops the outlier."""

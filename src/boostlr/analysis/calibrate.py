@@ -71,6 +71,12 @@ def _time(fn, budget: float = 0.15, min_reps: int = 3, clock: Clock = time.perf_
     return sorted(times)[len(times) // 2]
 
 
+def allreduce_reps(nbytes: int) -> int:
+    """Timed repetitions of one payload's all-reduce: the same on every rank (a collective
+    must be called equally often everywhere), about 16 MiB moved, 5 to 50 calls."""
+    return max(5, min(50, 2**24 // max(nbytes, 1)))
+
+
 def _no_sync() -> None:
     pass
 
@@ -294,7 +300,8 @@ def _two_process_measurements(rank: int, world: int, port: int, threads: int, qu
                 dist.all_reduce(x)
 
             dist.barrier()
-            results.append((nbytes, _time(op, budget=0.4, min_reps=5)))
+            # A time budget would let each rank pick its own count: mismatched collectives.
+            results.append((nbytes, _time(op, budget=0.0, min_reps=allreduce_reps(nbytes))))
         clock: Clock = time.thread_time if threads == 1 else time.perf_counter
         dtensor = measure_dtensor(world, clock)
         collective = measure_collective_host(clock)
