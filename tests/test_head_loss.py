@@ -56,6 +56,14 @@ def test_fp32_matches_unfused(chunk_rows: int) -> None:
     assert _close(gh, ref_gh, 1e-6) and _close(gw, ref_gw, 1e-6)
 
 
+def test_evaluation_loss_without_gradients() -> None:
+    """Under no_grad (evaluation) the buffer is never turned into a gradient: same loss."""
+    h, w, t = _inputs(2)
+    with torch.no_grad():
+        loss = head_cross_entropy(h, w, t, V, SINGLE, 7)
+    assert loss.item() == pytest.approx(F.cross_entropy(h @ w.t(), t).item(), rel=1e-6)
+
+
 def test_scaled_loss_and_rows_past_the_vocabulary() -> None:
     """A loss scaled before backward (accumulation, pipelines) scales both gradients; weight
     rows past ``vocab_size`` take no part and get a zero gradient."""

@@ -57,6 +57,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else h.dtype
         n = h.shape[0]
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # not in evaluation
         with torch.autocast(device, enabled=False):
             # A no-op slice would still cost a zero-filled weight gradient in the backward.
             w_c = weight if weight.shape[0] == cols else weight[:cols]
@@ -76,7 +77,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 if comm.size > 1:  # this slice's log-sum-exp, exactly: max - log p(max)
                     top, arg = logits.max(-1, keepdim=True)
                     lse[r0:r1] = (top.float() - log_p.gather(-1, arg))[:, 0]
-                torch.exp(log_p, out=logits)
+                if grads:
+                    torch.exp(log_p, out=logits)
             if not cols:
                 lse.fill_(-math.inf)  # an empty slice: no mass; -inf is the identity of MAX
             if comm.size > 1:
@@ -87,11 +89,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 target_shifted = torch.where(inside, target_logit + local_lse - row_max, 0.0)
                 all_reduce_(target_shifted, comm, "ce_target")
                 loss = (sum_exp.log() - target_shifted).mean()
-                if cols:  # local softmax -> this slice of the global one
+                if cols and grads:  # local softmax -> this slice of the global one
                     grad.mul_((local_lse - row_max - sum_exp.log()).exp().unsqueeze(-1))
             else:
                 loss = -target_logit.mean()
-            if cols:  # softmax - onehot; the mean's 1/n is applied in the backward
+            if cols and grads:  # softmax - onehot; the mean's 1/n is applied in the backward
                 rows = torch.arange(n, device=h.device)
                 grad[rows, local_t] -= inside.to(dtype)
         ctx.save_for_backward(grad, h, w_c)
