@@ -63,7 +63,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
             w_c = weight if weight.shape[0] == cols else weight[:cols]
             h_c, w_c = h.to(dtype), w_c.to(dtype)
             grad = torch.empty(n, cols, dtype=dtype, device=h.device)
-            lse = torch.empty(n, dtype=torch.float32, device=h.device)
+            # This slice's log-sum-exp per row (vocab-parallel only); an empty slice keeps
+            # -inf: no mass, and the identity of MAX.
+            lse = torch.full((n,), -math.inf, dtype=torch.float32, device=h.device)
             inside = (targets >= start) & (targets < end)
             local_t = (targets - start).masked_fill(~inside, 0)
             target_logit = torch.zeros(n, dtype=torch.float32, device=h.device)
@@ -79,23 +81,21 @@ class _HeadCrossEntropy(torch.autograd.Function):
                     lse[r0:r1] = (top.float() - log_p.gather(-1, arg))[:, 0]
                 if grads:
                     torch.exp(log_p, out=logits)
-            if not cols:
-                lse.fill_(-math.inf)  # an empty slice: no mass; -inf is the identity of MAX
             if comm.size > 1:
-                # target_logit holds log p_local(t) = l_t - lse_local on the owning rank.
-                local_lse = lse
-                row_max = all_reduce_(local_lse.clone(), comm, "ce_max", op=dist.ReduceOp.MAX)
-                sum_exp = all_reduce_((local_lse - row_max).exp(), comm, "ce_sum_exp")
-                target_shifted = torch.where(inside, target_logit + local_lse - row_max, 0.0)
+                # target_logit holds log p_local(t) = l_t - lse on the owning rank.
+                row_max = all_reduce_(lse.clone(), comm, "ce_max", op=dist.ReduceOp.MAX)
+                sum_exp = all_reduce_((lse - row_max).exp(), comm, "ce_sum_exp")
+                target_shifted = torch.where(inside, target_logit + lse - row_max, 0.0)
                 all_reduce_(target_shifted, comm, "ce_target")
-                loss = (sum_exp.log() - target_shifted).mean()
+                log_sum = sum_exp.log()
+                loss = (log_sum - target_shifted).mean()
                 if cols and grads:  # local softmax -> this slice of the global one
-                    grad.mul_((local_lse - row_max - sum_exp.log()).exp().unsqueeze(-1))
+                    grad.mul_((lse - row_max - log_sum).exp().unsqueeze(-1))
             else:
                 loss = -target_logit.mean()
             if cols and grads:  # softmax - onehot; the mean's 1/n is applied in the backward
-                rows = torch.arange(n, device=h.device)
-                grad[rows, local_t] -= inside.to(dtype)
+                every_row = torch.arange(n, device=h.device)
+                grad[every_row, local_t] -= inside.to(dtype)
         ctx.save_for_backward(grad, h, w_c)
         ctx.w_dtype, ctx.w_rows = weight.dtype, weight.shape[0]
         return loss
