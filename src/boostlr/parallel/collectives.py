@@ -166,15 +166,24 @@ class GroupComm:
     group: dist.ProcessGroup | None
     name: str
     ledger: CommLedger
+    # A gloo group of two ranks sums, gathers and scatters by one direct exchange with the
+    # peer (see :func:`_exchange`); off: gloo's own collectives.
+    pair_exchange: bool = True
     # Read once: a plain attribute is what torch.compile can trace (and guard on) in the
     # ``size == 1`` shortcuts below, where a process-group query would break the graph.
     _size: int = field(init=False, repr=False, compare=False)
     _rank: int = field(init=False, repr=False, compare=False)
+    _peer: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         alone = self.group is None or not dist.is_available() or not dist.is_initialized()
-        object.__setattr__(self, "_size", 1 if alone else dist.get_world_size(self.group))
-        object.__setattr__(self, "_rank", 0 if alone else dist.get_rank(self.group))
+        size = 1 if alone else dist.get_world_size(self.group)
+        rank = 0 if alone else dist.get_rank(self.group)
+        pair = self.pair_exchange and size == 2 and dist.get_backend(self.group) == "gloo"
+        object.__setattr__(self, "_size", size)
+        object.__setattr__(self, "_rank", rank)
+        peer = dist.get_global_rank(self.group, 1 - rank) if pair else None
+        object.__setattr__(self, "_peer", peer)
 
     @property
     def size(self) -> int:
@@ -183,6 +192,11 @@ class GroupComm:
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def peer(self) -> int | None:
+        """The other rank's global rank when collectives go by pair exchange, else ``None``."""
+        return self._peer
 
 
 def _record(comm: GroupComm, op: OpName, payload: Tensor, tag: str, phase: Phase) -> None:
@@ -199,6 +213,40 @@ def _collective(comm: GroupComm, op: str, tag: str, payload: Tensor) -> Iterator
             yield
 
 
+def _exchange(send: Tensor, recv: Tensor, comm: GroupComm) -> list[dist.Work]:
+    """Post the send of ``send`` to the peer and the receive of its tensor into ``recv``.
+
+    Why: on one host gloo's ring all-reduce of a 1-3 MB tensor between two ranks takes ~3x a
+    direct exchange of the same bytes (benchmarks/pair_exchange.py). For a pair the exchange
+    *is* the optimal algorithm: each rank sends its N bytes once (the ring's 2(W-1)/W·N) and
+    adds locally, and ``a + b == b + a`` in IEEE arithmetic, so both ranks get bitwise the
+    sum gloo's all-reduce returns. Point-to-point messages between two ranks are matched in
+    the order they are posted, which every rank does identically.
+    """
+    assert comm.peer is not None
+    if send.numel() == 0 and recv.numel() == 0:
+        return []  # same shapes on both ranks: both skip
+    return [
+        dist.isend(send, comm.peer, group=comm.group),
+        dist.irecv(recv, comm.peer, group=comm.group),
+    ]
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _pair_all_reduce_(x: Tensor, comm: GroupComm, op: dist.ReduceOp.RedOpType) -> None:
+    """In-place all-reduce of a contiguous ``x`` by exchange (SUM or MAX)."""
+    other = torch.empty_like(x)
+    _wait(_exchange(x, other, comm))
+    if op == dist.ReduceOp.MAX:
+        torch.maximum(x, other, out=x)
+    else:
+        x.add_(other)
+
+
 def _chunk_len(shape: torch.Size, dim: int, comm: GroupComm, tag: str) -> int:
     if shape[dim] % comm.size != 0:
         raise ValueError(
@@ -213,7 +261,10 @@ def _all_reduce(x: Tensor, comm: GroupComm, tag: str, phase: Phase) -> Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     _record(comm, "all_reduce", out, tag, phase)
     with _collective(comm, "all_reduce", tag, out):
-        dist.all_reduce(out, group=comm.group)
+        if comm.peer is not None:
+            _pair_all_reduce_(out, comm, dist.ReduceOp.SUM)
+        else:
+            dist.all_reduce(out, group=comm.group)
     return out
 
 
@@ -223,7 +274,12 @@ def _all_gather(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase) ->
     flat = x.new_empty(comm.size * x.numel())  # 1-D buffers: every backend accepts them
     _record(comm, "all_gather", flat, tag, phase)
     with _collective(comm, "all_gather", tag, flat):
-        _all_gather_flat(flat, x.view(-1), group=comm.group)
+        if comm.peer is not None:
+            slots = flat.view(comm.size, -1)
+            slots[comm.rank].copy_(x.view(-1))
+            _wait(_exchange(x.view(-1), slots[1 - comm.rank], comm))
+        else:
+            _all_gather_flat(flat, x.view(-1), group=comm.group)
     # [W, ..., n_dim, ...] -> [..., W * n_dim, ...]: rank-major, i.e. torch.cat order.
     stacked = flat.view(comm.size, *x.shape)
     return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
@@ -237,7 +293,11 @@ def _reduce_scatter(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase
     out = x.new_empty(stacked.shape[1:])
     _record(comm, "reduce_scatter", stacked, tag, phase)
     with _collective(comm, "reduce_scatter", tag, out):
-        _reduce_scatter_flat(out.view(-1), stacked.view(-1), group=comm.group)
+        if comm.peer is not None:
+            _wait(_exchange(stacked[1 - comm.rank], out, comm))
+            out.add_(stacked[comm.rank])
+        else:
+            _reduce_scatter_flat(out.view(-1), stacked.view(-1), group=comm.group)
     return out
 
 
@@ -335,23 +395,32 @@ class PendingAllReduce:
 
     def __init__(self, comm: GroupComm, tag: str):
         self.comm, self.tag = comm, tag
-        self._work: dist.Work | None = None
+        self._works: list[dist.Work] = []
         self._buf: Tensor | None = None
+        self._other: Tensor | None = None  # the peer's partial, under pair exchange
 
     def start(self, grad: Tensor) -> None:
         buf = grad.contiguous()
-        _record(self.comm, "all_reduce", buf, self.tag, "bwd")
-        with _collective(self.comm, "all_reduce", self.tag, buf):
-            self._work = dist.all_reduce(buf, group=self.comm.group, async_op=True)
+        comm = self.comm
+        _record(comm, "all_reduce", buf, self.tag, "bwd")
+        with _collective(comm, "all_reduce", self.tag, buf):
+            if comm.peer is not None:
+                self._other = torch.empty_like(buf)
+                self._works = _exchange(buf, self._other, comm)
+            else:
+                self._works = [dist.all_reduce(buf, group=comm.group, async_op=True)]
         self._buf = buf
 
     def finish(self, grad: Tensor) -> Tensor:
         """The summed gradient: the started one's result, else a blocking all-reduce."""
-        if self._work is None or self._buf is None:
+        if self._buf is None:
             return _all_reduce(grad, self.comm, self.tag, "bwd")
-        with _collective(self.comm, "wait", self.tag, self._buf):
-            self._work.wait()
-        out, self._work, self._buf = self._buf, None, None
+        out, other = self._buf, self._other
+        with _collective(self.comm, "wait", self.tag, out):
+            _wait(self._works)
+            if other is not None:
+                out.add_(other)
+        self._works, self._buf, self._other = [], None, None
         return out.view_as(grad)
 
 
@@ -451,7 +520,10 @@ def all_reduce_(
     buf = x if x.is_contiguous() else x.contiguous()
     _record(comm, "all_reduce", buf, tag, comm.ledger.forward_phase)
     with _collective(comm, "all_reduce", tag, buf):
-        dist.all_reduce(buf, op=op, group=comm.group)
+        if comm.peer is not None and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            _pair_all_reduce_(buf, comm, op)
+        else:
+            dist.all_reduce(buf, op=op, group=comm.group)
     if buf is not x:
         x.copy_(buf)
     return x
