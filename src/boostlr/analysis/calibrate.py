@@ -9,7 +9,8 @@
   size, divided by the ops it dispatches (counted by :mod:`boostlr.analysis.census`): Python,
   dispatch, autograd recording and the backward node;
 * causal attention (forward + backward) as a fraction of the fitted GEMM roofline;
-* between two real processes on this machine: gloo all-reduce latency and bandwidth, what a
+* between two real processes on this machine: all-reduce latency and bandwidth over gloo by
+  the trainer's transport (``parallel.pair_exchange``: one direct exchange per call), what a
   DTensor parameter costs per micro-batch and per optimizer step beyond a plain one (a
   2-rank mesh, as a TP-2 run's), and the host work of one of boostlr's collectives beyond
   the transport (its autograd function, ledger record and profiler label).
@@ -291,13 +292,16 @@ def _two_process_measurements(rank: int, world: int, port: int, threads: int, qu
         world_size=world,
         timeout=timedelta(seconds=60),
     )
+    from boostlr.parallel.collectives import CommLedger, GroupComm, transport_all_reduce_
+
     try:
+        comm = GroupComm(dist.group.WORLD, "tp", CommLedger())  # the trainer's transport
         results = []
         for nbytes in ALLREDUCE_BYTES:
             x = torch.ones(nbytes // 4)
 
             def op(x=x) -> None:
-                dist.all_reduce(x)
+                transport_all_reduce_(x, comm)
 
             dist.barrier()
             # A time budget would let each rank pick its own count: mismatched collectives.
@@ -407,7 +411,13 @@ def measure_collective_host(clock: Clock) -> float:
     way) against the same payloads all-reduced directly; the difference per call is the
     autograd function, the ledger record and the profiler label.
     """
-    from boostlr.parallel.collectives import CommLedger, GroupComm, copy_to_group, reduce_from_group
+    from boostlr.parallel.collectives import (
+        CommLedger,
+        GroupComm,
+        copy_to_group,
+        reduce_from_group,
+        transport_all_reduce_,
+    )
 
     comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
     x = torch.randn(8, 16, requires_grad=True)
@@ -422,8 +432,8 @@ def measure_collective_host(clock: Clock) -> float:
         y = x * 1.0
         y.backward(seed)
         a, b = y.detach().clone(), y.detach().clone()
-        dist.all_reduce(a)
-        dist.all_reduce(b)
+        transport_all_reduce_(a, comm)
+        transport_all_reduce_(b, comm)
 
     reps = []
     for i in range(COLLECTIVE_CALLS):

@@ -4,7 +4,9 @@
 autograd is classified and counted, per phase (``fwd`` / ``bwd``, set by the caller):
 
 * ``gemm`` (``mm``, ``bmm``), ``attention`` (the SDPA kernels), ``comm`` (c10d ops, when they
-  reach Python dispatch at all);
+  reach Python dispatch at all, and every op dispatched inside one of boostlr's collectives:
+  a pair exchange's receive buffer and local sum are the all-reduce's work, as gloo's ring
+  sums inside its C++);
 * ``kernel``: any other op that writes memory (a fresh result or a mutated operand);
 * ``view``: an op whose results all alias an operand (``view``, ``t``, ``detach``,
   ``_unsafe_view``, ...): dispatched, but moving no data.
@@ -28,6 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from boostlr.parallel.collectives import is_collective_label
 
 GEMMS = ("aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.addmm.default")
 INDEXING = (
@@ -98,6 +102,14 @@ class OpCensus(TorchDispatchMode):
         self.bytes: collections.Counter = collections.Counter()
         self.by_name: collections.Counter = collections.Counter()
         self.bytes_by_name: collections.Counter = collections.Counter()
+        # Open record_function scopes, innermost last (they nest): is each a collective's?
+        self._scopes: list[bool] = []
+
+    def _track_scope(self, name: str, args: tuple) -> None:
+        if name.startswith("profiler._record_function_enter"):
+            self._scopes.append(isinstance(args[0], str) and is_collective_label(args[0]))
+        elif name.startswith("profiler._record_function_exit") and self._scopes:
+            self._scopes.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,6 +127,9 @@ class OpCensus(TorchDispatchMode):
         fresh = [t for t in results if _storage(t) not in storages]
         name = str(func)
         kind = kind_of(name, bool(fresh or mutated or not results))
+        if any(self._scopes) and not name.startswith("profiler."):
+            kind = "comm"
+        self._track_scope(name, args)
         moved = 0
         if name in INDEXING:  # the elements gathered (or scattered) and the indices, not all
             index = [t for t in inputs if not t.is_floating_point()]

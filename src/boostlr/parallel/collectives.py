@@ -205,9 +205,28 @@ def _record(comm: GroupComm, op: OpName, payload: Tensor, tag: str, phase: Phase
     )
 
 
+_LABEL_OPS = frozenset((*OPS, "wait"))
+
+
+def is_collective_label(label: str) -> bool:
+    """Whether a profiler label ``{group}.{op}.{tag}`` names one of this module's collectives.
+
+    Why: the op census (``analysis/census.py``) counts every op dispatched inside such a call
+    as the collective's own work (a pair exchange's receive buffer and sum, as gloo's ring
+    sums inside its C++), not as the model's element-wise kernels.
+    """
+    parts = label.split(".", 2)
+    return len(parts) == 3 and parts[1] in _LABEL_OPS
+
+
 @contextmanager
 def _collective(comm: GroupComm, op: str, tag: str, payload: Tensor) -> Iterator[None]:
-    """Time the call into the ledger and label it ``{group}.{op}.{tag}`` in profiler traces."""
+    """Time the call into the ledger and label it ``{group}.{op}.{tag}`` in profiler traces.
+
+    Everything that depends on the algorithm (gloo's ring or a pair exchange: flat views of
+    the buffers, the receive buffer, the local sum) runs inside, so the op census counts the
+    same model ops whichever one moves the bytes.
+    """
     with torch.profiler.record_function(f"{comm.name}.{op}.{tag}"):
         with comm.ledger.timed(comm.name, payload.device):
             yield
@@ -247,6 +266,18 @@ def _pair_all_reduce_(x: Tensor, comm: GroupComm, op: dist.ReduceOp.RedOpType) -
         x.add_(other)
 
 
+def transport_all_reduce_(
+    x: Tensor, comm: GroupComm, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> None:
+    """Reduce a contiguous ``x`` in place the way the group's recorded all-reduces do (a pair
+    exchange for SUM/MAX where the group has one, else the backend's own), with no ledger
+    record or label: also what ``boostlr calibrate`` times as the link."""
+    if comm.peer is not None and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        _pair_all_reduce_(x, comm, op)
+    else:
+        dist.all_reduce(x, op=op, group=comm.group)
+
+
 def _chunk_len(shape: torch.Size, dim: int, comm: GroupComm, tag: str) -> int:
     if shape[dim] % comm.size != 0:
         raise ValueError(
@@ -261,10 +292,7 @@ def _all_reduce(x: Tensor, comm: GroupComm, tag: str, phase: Phase) -> Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
     _record(comm, "all_reduce", out, tag, phase)
     with _collective(comm, "all_reduce", tag, out):
-        if comm.peer is not None:
-            _pair_all_reduce_(out, comm, dist.ReduceOp.SUM)
-        else:
-            dist.all_reduce(out, group=comm.group)
+        transport_all_reduce_(out, comm)
     return out
 
 
@@ -520,10 +548,7 @@ def all_reduce_(
     buf = x if x.is_contiguous() else x.contiguous()
     _record(comm, "all_reduce", buf, tag, comm.ledger.forward_phase)
     with _collective(comm, "all_reduce", tag, buf):
-        if comm.peer is not None and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
-            _pair_all_reduce_(buf, comm, op)
-        else:
-            dist.all_reduce(buf, op=op, group=comm.group)
+        transport_all_reduce_(buf, comm, op)
     if buf is not x:
         x.copy_(buf)
     return x
