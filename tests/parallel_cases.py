@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
@@ -124,18 +125,28 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
         ref_loss = ref(inputs, targets)
         ref_loss.backward()
         ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref_params.values()))
+        exact = _float64_grads(ref, inputs, targets)
 
         opt.zero_grad()
         loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
-        worst = 0.0
+        worst, worst_name = 0.0, ""
+        layout64, single64 = 0.0, 0.0
         for name, p in model.named_parameters():
             g, r = full_grad(p), ref_params[name].grad
-            worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+            err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+            if err > worst:
+                worst, worst_name = err, name
+            e = exact[name]
+            scale = e.abs().max().clamp_min(1e-300)
+            layout64 = max(layout64, ((g.double() - e).abs().max() / scale).item())
+            single64 = max(single64, ((r.double() - e).abs().max() / scale).item())
         norm = model.clip_gradients(cfg.train.grad_clip)
         opt.step()
         report["losses"].append(loss)
         report["ref_losses"].append(ref_loss.item())
         report["grad_errors"].append(worst)
+        report.setdefault("worst_params", []).append(worst_name)
+        report.setdefault("vs64", []).append((layout64, single64))
         report["norms"].append(norm)
         report["ref_norms"].append(ref_norm.item())
     report["metrics"] = model.step_metrics()
@@ -144,6 +155,14 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
     if model.comms.pp.size == 1:
         report["fsdp_modules"] = fsdp_module_elements(model)
     return report
+
+
+def _float64_grads(ref, inputs, targets) -> dict[str, torch.Tensor]:
+    """The single-device gradients in float64: the exact values both fp32 paths approximate."""
+    exact = copy.deepcopy(ref).double()
+    exact.zero_grad()
+    exact(inputs, targets).backward()
+    return {n: p.grad for n, p in exact.named_parameters()}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, RunConfig, int]]) -> dict:

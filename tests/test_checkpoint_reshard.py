@@ -2,7 +2,7 @@
 
 The first resumed step runs from the loaded weights, so its loss equals the uninterrupted
 run's up to fp32 reduction order (``LOSS_TOL``, as in the 3D tests). The second step adds
-one AdamW update from the loaded moments with gradients that agree to the 3D tests' ``TOL``;
+one AdamW update from the loaded moments with gradients that agree to fp32 noise (3D tests);
 a wrong moment, data position or learning rate moves it by ~1e-2, far outside ``STEP2_TOL``.
 """
 
@@ -21,7 +21,7 @@ from boostlr.train.checkpoint import list_checkpoints
 pytestmark = pytest.mark.slow
 
 LOSS_TOL = 1e-5  # relative, from identical weights (tests/test_parallel_3d.py)
-STEP2_TOL = 1e-4  # relative, one AdamW step from gradients equal to 2e-5 (TOL)
+STEP2_TOL = 1e-4  # relative, one AdamW step from gradients equal to fp32 noise
 GLOBAL_BATCH = 8
 
 

@@ -2,7 +2,8 @@
 
 Every check compares one step from identical weights (the single-device model takes the
 layout's current weights before each step), so fp32 reduction-order noise never compounds
-into a diverging trajectory: losses agree to ~1e-6 relative, gradients to ``TOL``.
+into a diverging trajectory: losses agree to ~1e-6 relative, and the layout's gradients are
+as close to the exact (float64) ones as the single-device fp32 model's are (``NOISE_FACTOR``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from parallel_cases import layout_config, run_cases
 
 from boostlr.analysis.comm import fsdp_bytes, pp_send_bytes
 
-TOL = 2e-5  # max |g - g_ref| / max |g_ref| per tensor: fp32 reduction-order noise
+# The layout's gradient error against the float64 single-device gradient (max over tensors of
+# max |g - g64| / max |g64|) may be this many times the single-device fp32 model's own: a
+# different summation order draws fp32 noise of the same size, and this is measured on the
+# CPU at hand (its kernels set the noise: a fixed tolerance passed on one CPU and not on
+# another). FLOOR keeps a single-device error that happens to be tiny from failing the check.
+NOISE_FACTOR = 4.0
+NOISE_FLOOR = 1e-6
 LOSS_TOL = 1e-5
 
 
@@ -23,7 +30,12 @@ def assert_follows(label: str, report: dict) -> None:
         assert abs(a - b) <= LOSS_TOL * abs(b), (label, losses, ref)
     for a, b in zip(report["norms"], report["ref_norms"], strict=True):
         assert abs(a - b) <= LOSS_TOL * abs(b), (label, report["norms"], report["ref_norms"])
-    assert max(report["grad_errors"]) < TOL, (label, report["grad_errors"])
+    for layout, single in report["vs64"]:
+        assert layout <= NOISE_FACTOR * max(single, NOISE_FLOOR), (
+            label,
+            report["vs64"],
+            report["worst_params"],
+        )
     if len(losses) > 1:
         assert losses[-1] < losses[0], (label, losses)  # it trains
 
