@@ -211,8 +211,9 @@ class ParallelConfig:
     # ranks do not preempt the peers they wait for; off leaves scheduling to the OS.
     pin_cores: bool = True
     # gloo (CPU) groups of two ranks: all-reduce, all-gather and reduce-scatter as one direct
-    # exchange with the peer (same bytes, bitwise the same sums, ~2-3x faster than gloo's
-    # ring on one host); off: gloo's own collectives. No effect on NCCL or larger groups.
+    # exchange with the peer (same bytes, bitwise the same sums; 0.9-3.2x gloo's ring per call
+    # on the VMs measured, benchmarks/RESULTS.md); off: gloo's own collectives. No effect on
+    # NCCL or larger groups.
     pair_exchange: bool = True
 
     @property
