@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 
 import torch
 import torch.distributed as dist
+from fp32_noise import float64_grads, relative_error
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig, build_config
@@ -125,7 +125,7 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
         ref_loss = ref(inputs, targets)
         ref_loss.backward()
         ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref_params.values()))
-        exact = _float64_grads(ref, inputs, targets)
+        exact = float64_grads(ref, inputs, targets)
 
         opt.zero_grad()
         loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
@@ -136,10 +136,8 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
             err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
             if err > worst:
                 worst, worst_name = err, name
-            e = exact[name]
-            scale = e.abs().max().clamp_min(1e-300)
-            layout64 = max(layout64, ((g.double() - e).abs().max() / scale).item())
-            single64 = max(single64, ((r.double() - e).abs().max() / scale).item())
+            layout64 = max(layout64, relative_error(g, exact[name]))
+            single64 = max(single64, relative_error(r, exact[name]))
         norm = model.clip_gradients(cfg.train.grad_clip)
         opt.step()
         report["losses"].append(loss)
@@ -155,14 +153,6 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
     if model.comms.pp.size == 1:
         report["fsdp_modules"] = fsdp_module_elements(model)
     return report
-
-
-def _float64_grads(ref, inputs, targets) -> dict[str, torch.Tensor]:
-    """The single-device gradients in float64: the exact values both fp32 paths approximate."""
-    exact = copy.deepcopy(ref).double()
-    exact.zero_grad()
-    exact(inputs, targets).backward()
-    return {n: p.grad for n, p in exact.named_parameters()}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, RunConfig, int]]) -> dict:

@@ -3,24 +3,18 @@
 Every check compares one step from identical weights (the single-device model takes the
 layout's current weights before each step), so fp32 reduction-order noise never compounds
 into a diverging trajectory: losses agree to ~1e-6 relative, and the layout's gradients are
-as close to the exact (float64) ones as the single-device fp32 model's are (``NOISE_FACTOR``).
+as close to the exact (float64) ones as the single-device fp32 model's are (``fp32_noise``).
 """
 
 from __future__ import annotations
 
 import pytest
 from distributed import run_distributed
+from fp32_noise import layout_bound
 from parallel_cases import layout_config, run_cases
 
 from boostlr.analysis.comm import fsdp_bytes, pp_send_bytes
 
-# The layout's gradient error against the float64 single-device gradient (max over tensors of
-# max |g - g64| / max |g64|) may be this many times the single-device fp32 model's own: a
-# different summation order draws fp32 noise of the same size, and this is measured on the
-# CPU at hand (its kernels set the noise: a fixed tolerance passed on one CPU and not on
-# another). FLOOR keeps a single-device error that happens to be tiny from failing the check.
-NOISE_FACTOR = 4.0
-NOISE_FLOOR = 1e-6
 LOSS_TOL = 1e-5
 
 
@@ -31,7 +25,7 @@ def assert_follows(label: str, report: dict) -> None:
     for a, b in zip(report["norms"], report["ref_norms"], strict=True):
         assert abs(a - b) <= LOSS_TOL * abs(b), (label, report["norms"], report["ref_norms"])
     for layout, single in report["vs64"]:
-        assert layout <= NOISE_FACTOR * max(single, NOISE_FLOOR), (
+        assert layout <= layout_bound(single), (
             label,
             report["vs64"],
             report["worst_params"],
