@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from fp32_noise import difference_bound, noise_of
+from fp32_noise import difference_bound, noise_of, relative_error
 from torch.profiler import ProfilerActivity, profile
 
 from boostlr.analysis.comm import per_block_forward, tp_comm_volume
@@ -183,10 +183,7 @@ def check_case(case: dict, comm: GroupComm, bf16: bool = False) -> dict:
 def grad_error(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
     """Worst per-tensor max |g - g_ref| / max |g_ref| (a missing gradient: inf)."""
     return max(
-        ((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
-        if n in grads
-        else float("inf")
-        for n, g in ref_grads.items()
+        relative_error(grads[n], g) if n in grads else float("inf") for n, g in ref_grads.items()
     )
 
 
