@@ -47,15 +47,16 @@ def tiny_args(data: Path, run: Path, steps: int = 2) -> list[str]:
         (["train", "missing.toml"], "does not exist"),
         (["train", "--resume"], "--resume needs --run-dir"),
         (["train", "--data.path", "/nonexistent/ds"], "/nonexistent/ds"),
-        (["export", "/nonexistent/ckpt", "--out", "/tmp/x"], "not a checkpoint"),
+        (["export", "/nonexistent/ckpt", "--out", "{tmp}/out"], "not a checkpoint"),
         (["ckpt", "info", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
-        (["prepare", "--input", "/nonexistent/in", "--out", "/tmp/x"], "/nonexistent/in"),
+        (["prepare", "--input", "/nonexistent/in", "--out", "{tmp}/out"], "/nonexistent/in"),
         (["generate", "/nonexistent/p", "--prompt", "x"], "/nonexistent/p"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]  # never a shared path like /tmp/x
     code, _, err = run_cli(args, capsys)
     assert code == 2
     lines = err.strip().splitlines()
