@@ -8,6 +8,7 @@ a diverged run exits with code 1 after keeping its last good checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -170,7 +171,32 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
     )
 
 
-def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+def _restart_with_allocator(cfg) -> None:
+    """A one-process CPU run: start this command again, once, with jemalloc preloaded.
+
+    Several ranks get it from the launcher (``LD_PRELOAD`` in their environment); one
+    process can only have it from its own start. Nothing has been read or written yet.
+    """
+    from boostlr.parallel.launch import under_launcher
+    from boostlr.train.host_alloc import allocator_env, preloaded_allocator
+    from boostlr.train.loop import resolve_device
+
+    if os.environ.get(_REEXEC_FLAG) or under_launcher() or preloaded_allocator():
+        return
+    if cfg.parallel.world_size != 1 or cfg.parallel.max_restarts:
+        return
+    env = allocator_env(cfg.train.cpu_alloc_cache, resolve_device(cfg.parallel.device).type)
+    if env:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        argv = [sys.executable, "-m", "boostlr.cli", *sys.argv[1:]]
+        os.execve(sys.executable, argv, {**os.environ, **env, _REEXEC_FLAG: "1"})
+
+
+_REEXEC_FLAG = "BOOSTLR_ALLOCATOR_PRELOADED"
+
+
+def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool) -> None:
     from boostlr.config import build_config, parse_overrides
     from boostlr.train.loop import CONFIG_FILE, train
 
@@ -190,6 +216,8 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     else:
         cfg = build_config(args.config, pairs)
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if own_process:
+        _restart_with_allocator(cfg)
     train(cfg, run_dir, resume=args.resume, console=not args.quiet)
 
 
@@ -345,6 +373,7 @@ _TAKES_OVERRIDES = ("train", "eval", "import-hf", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # the command line itself, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     rest, extra = split_overrides(argv)
@@ -355,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             _cmd_prepare(args)
         elif args.command == "train":
-            _cmd_train(args, extra)
+            _cmd_train(args, extra, own_process=own_process)
         elif args.command == "export":
             _cmd_export(args)
         elif args.command == "ckpt":

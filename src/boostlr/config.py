@@ -157,6 +157,9 @@ class TrainConfig:
     # "A:B" writes a torch.profiler trace (Chrome/Perfetto JSON) of steps A..B into the run
     # directory, one file per rank; "" = off.
     profile_steps: str = ""
+    # Write each rank's memory per phase (start-up, materialise, FSDP wrap, optimizer state,
+    # forward/backward, step, eval, save) to <run>/memory/rank<N>.json.
+    memory_phases: bool = False
     # CPU: keep freed host memory in the process (glibc mallopt: no mmap for big blocks, no
     # trim), so the large tensors every step reallocates skip the kernel's page faults.
     # Measured 1.2x (fp32) to 1.7x (bf16) on the 60M shape, for about 1.3x the peak RSS.

@@ -9,6 +9,8 @@ dim (global shape + split dim) -> data parallel (FSDP2) over ``dp``. The result 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -25,9 +27,17 @@ from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 
 def build_stages(
-    cfg: RunConfig, comms: MeshComms, device: torch.device, pp_rank: int
+    cfg: RunConfig,
+    comms: MeshComms,
+    device: torch.device,
+    pp_rank: int,
+    mark_phase: Callable[[str], None] = lambda phase: None,
 ) -> list[TensorParallelModel]:
-    """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped."""
+    """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped.
+
+    ``mark_phase("materialise")`` and ``mark_phase("FSDP wrap")`` close those phases for a
+    memory report.
+    """
     p = cfg.parallel
     ctx = TPContext(
         comms.tp,
@@ -52,9 +62,11 @@ def build_stages(
         part = TensorParallelModel(meta, p.strategy_for(cfg.model.arch), ctx, full_shapes={})
         materialize(part, cfg.train.seed, comms, device)
         stages.append(part)
+    mark_phase("materialise")
     if comms.dp.size > 1:
         for part in stages:
             apply_data_parallel(part, comms, p.dp_mode)
+        mark_phase("FSDP wrap")
     return stages
 
 

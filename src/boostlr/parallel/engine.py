@@ -8,6 +8,7 @@ the loop. One process without a process group runs the plain single-device model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -43,7 +44,12 @@ class ParallelModel:
         )
 
     @classmethod
-    def build(cls, cfg: RunConfig, device: torch.device) -> ParallelModel:
+    def build(
+        cls,
+        cfg: RunConfig,
+        device: torch.device,
+        mark_phase: Callable[[str], None] = lambda phase: None,
+    ) -> ParallelModel:
         """Distributed when a default process group exists, else the single-device model."""
         p = cfg.parallel
         if not dist.is_initialized():
@@ -60,10 +66,11 @@ class ParallelModel:
             )
             full = build_model(cfg.model, seed=cfg.train.seed, device=device)
             stages = [TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx)]
+            mark_phase("materialise")
             return cls(cfg, comms, stages, device)
         comms = build_mesh(p, device)
         pp_rank = comms.pp.rank
-        return cls(cfg, comms, build_stages(cfg, comms, device, pp_rank), device)
+        return cls(cfg, comms, build_stages(cfg, comms, device, pp_rank, mark_phase), device)
 
     # ------------------------------------------------------------------ parameters
 

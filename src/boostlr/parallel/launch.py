@@ -42,12 +42,17 @@ def adopt_slurm_env() -> None:
 
 
 def launch(
-    nproc: int, entrypoint: Callable[..., Any], *args: Any, max_restarts: int = 0
+    nproc: int,
+    entrypoint: Callable[..., Any],
+    *args: Any,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks; returns each rank's result.
 
     When a rank dies, the agent stops the others and restarts all of them, up to
     ``max_restarts`` times (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt it is).
+    ``env`` is added to the ranks' environment (e.g. ``LD_PRELOAD``), not to this process's.
     """
     config = LaunchConfig(
         min_nodes=1,
@@ -61,8 +66,9 @@ def launch(
         start_method="spawn",
     )
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # children inherit it before importing torch
+    child_env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+    saved = {k: os.environ.get(k) for k in child_env}
+    os.environ.update(child_env)  # spawned children inherit it before importing torch
     # The ranks print their own errors (one line, or a traceback for a crash); the agent's
     # log would repeat each of them as a wall of text.
     agent_log = logging.getLogger("torch.distributed.elastic")
@@ -72,10 +78,11 @@ def launch(
         return elastic_launch(config, entrypoint)(*args)
     finally:
         agent_log.setLevel(saved_level)
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def pin_cpu_cores() -> list[int] | None:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -21,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining._backward import stage_backward
 
 from boostlr.config import ParallelConfig, RunConfig
 from boostlr.parallel.collectives import GroupComm
@@ -110,6 +112,29 @@ def timed_p2p_waits(comm: GroupComm, device: torch.device) -> Iterator[None]:
         _schedules._wait_batch_p2p = inner
 
 
+class ShardedBackwardStage(PipelineStage):
+    """A stage whose FSDP parameters are resharded after every micro-batch's backward.
+
+    torch's stages keep an FSDP module gathered, with unreduced full-size gradients, from the
+    first micro-batch's backward until the schedule's final gradient reduction: the whole
+    stage twice over, unsharded. Here each micro-batch's backward reduce-scatters its
+    gradients (FSDP accumulates them into the sharded ``.grad``) and frees the gathered
+    parameters, as FSDP does without a pipeline. The sum, and so every gradient, is the
+    same; the price is one reduce-scatter (and one re-gather) per micro-batch.
+    """
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
+        return grads, None
+
+
 class Pipeline:
     """The schedule over this rank's stages; one :meth:`step` runs a batch's fwd + bwd."""
 
@@ -129,10 +154,13 @@ class Pipeline:
         self.loss_scale = loss_scale
         self.losses: list[Tensor] = []
         pipeline_stages = []
+        # ddp mode keeps parameters gathered from forward to backward by design, so its
+        # stages keep torch's single reduction after the last micro-batch.
+        stage_class = ShardedBackwardStage if p.dp_mode == "fsdp" else PipelineStage
         for part, sid in zip(stages, self.ids, strict=True):
             record_sends(part, pp)
             pipeline_stages.append(
-                PipelineStage(
+                stage_class(
                     part,
                     sid,
                     self.num_stages,

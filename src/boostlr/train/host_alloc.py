@@ -1,33 +1,86 @@
-"""Keep freed host memory in the process, so CPU training steps stop paying page faults.
+"""Host memory for CPU ranks: a caching allocator without glibc's ratchet.
 
-glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh
-``mmap`` and returns it with ``munmap`` on free. A training step allocates the same large
-tensors every step (logits, their gradients, autocast copies), so each one is zero-filled by
-the kernel page by page again: measured on the CoLA-60M shape with a 32k vocabulary, a
-2048 x 32000 ``fill_`` took 194 ms, and the whole fp32 step went from 2.99 s to 2.40 s (bf16:
-2.29 s to 1.32 s) once large blocks came from the heap and stayed there. This is what the
-CUDA caching allocator does on a GPU and what jemalloc/tcmalloc preloading does for PyTorch
-on CPU, without a preload. The price is a higher resident set: freed blocks are kept for
-reuse (measured peak RSS 2.3 GB -> 3.1 GB on that shape).
+A CPU training step allocates the same large tensors every step (logits, their gradients,
+FSDP's gathered buffers). glibc serves each one above its mmap threshold with a fresh
+``mmap``, so the kernel zero-fills it page by page again every step. Keeping them in glibc's
+heap (``mallopt``: no mmap, no trim) avoids that, but glibc then fails to reuse freed
+64-byte-aligned chunks (torch's CPU alignment) once small allocations sit in their slack,
+and the heap only grows. jemalloc and tcmalloc keep freed memory for reuse and give it back
+to the system, so the launcher preloads one of them into CPU ranks when the library is on
+the machine (Debian: ``libjemalloc2``); the ``mallopt`` cache remains the fallback without
+one. On CUDA none of this matters: the caching allocator holds device memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+from pathlib import Path
 
 # mallopt(3) parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _KEEP_ALL = 2**31 - 1
 
+# Preferred first; the sonames Debian/Ubuntu and RHEL ship.
+ALLOCATOR_SONAMES = ("libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+def find_allocator() -> str | None:
+    """The path of an installed jemalloc/tcmalloc to preload, or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    for soname in ALLOCATOR_SONAMES:
+        for directory in _LIB_DIRS:
+            path = Path(directory) / soname
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def preloaded_allocator() -> str | None:
+    """The jemalloc/tcmalloc this process runs with (it was preloaded), or ``None``."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.split() else ""
+        if "jemalloc" in path or "tcmalloc" in path:
+            return path
+    return None
+
+
+def with_allocator(env: dict[str, str], library: str) -> dict[str, str]:
+    """``env`` with ``library`` first in ``LD_PRELOAD`` (once)."""
+    current = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    if library in current:
+        return env
+    return {**env, "LD_PRELOAD": ":".join([library, *current])}
+
+
+def allocator_env(enabled: bool, device_type: str) -> dict[str, str]:
+    """Environment for CPU ranks to start with a caching allocator preloaded.
+
+    Empty when not on CPU, when ``train.cpu_alloc_cache`` is off, or when no jemalloc or
+    tcmalloc is installed (the ranks then fall back to the ``mallopt`` cache).
+    """
+    if not enabled or device_type != "cpu":
+        return {}
+    library = preloaded_allocator() or find_allocator()
+    if library is None:
+        return {}
+    return {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
+
 
 def keep_freed_host_memory() -> bool:
-    """Serve large allocations from the heap and never trim it; ``False`` if not glibc.
+    """Serve large allocations from glibc's heap and never trim it; ``False`` if not glibc.
 
-    Safe to call more than once and at any time: it only changes how later allocations are
-    served.
+    The fallback cache when no jemalloc/tcmalloc is preloaded. Safe to call more than once
+    and at any time: it only changes how later allocations are served.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -42,3 +95,15 @@ def keep_freed_host_memory() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_ALL))
+
+
+def cache_host_memory() -> str:
+    """What ``train.cpu_alloc_cache`` does in this rank: ``"jemalloc"``-like, or ``"mallopt"``.
+
+    With a preloaded caching allocator nothing is needed; otherwise glibc's heap is told to
+    keep what it frees (``"none"`` where even that is unavailable).
+    """
+    library = preloaded_allocator()
+    if library is not None:
+        return Path(library).name
+    return "mallopt" if keep_freed_host_memory() else "none"

@@ -42,7 +42,8 @@ from boostlr.train.checkpoint import (
     newest_checkpoint,
     read_checkpoint,
 )
-from boostlr.train.host_alloc import keep_freed_host_memory
+from boostlr.train.host_alloc import allocator_env, cache_host_memory
+from boostlr.train.memory import MemoryPhases, held_tensor_mb
 from boostlr.train.metrics import ConsoleProgress, MetricsLog, truncate_after
 from boostlr.train.optim import (
     build_optimizer,
@@ -122,6 +123,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
         ckpt_path,
         console,
         max_restarts=cfg.parallel.max_restarts,
+        env=allocator_env(cfg.train.cpu_alloc_cache, device.type),
     )
     return results[0]
 
@@ -259,12 +261,14 @@ def _train_rank(
 ) -> TrainResult:
     """Build this rank's part of the model, restore a checkpoint, run the loop."""
     torch.manual_seed(cfg.train.seed)
+    allocator = "device"
     if device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
-        if cfg.train.cpu_alloc_cache:
-            keep_freed_host_memory()
-    model = ParallelModel.build(cfg, device)
+        allocator = cache_host_memory() if cfg.train.cpu_alloc_cache else "glibc"
     rank = dist.get_rank() if dist.is_initialized() else 0
+    phase_file = memory_phase_file(run_dir, rank, cfg.train.memory_phases)
+    phases = MemoryPhases(device, phase_file, allocator)
+    model = ParallelModel.build(cfg, device, phases.mark)
     train_ds, val_ds = datasets or open_datasets(cfg)
     dp = model.comms.dp
     t, seq = cfg.train, cfg.data.seq_len
@@ -280,10 +284,11 @@ def _train_rank(
     # (torch 2.13 propagates _fused_adamw_ through DTensor; checked against one device).
     optimizer = build_optimizer(model.parameters(), t)
     init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
+    phases.mark("optimizer state")
     writer = CheckpointWriter(
         run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
     )
-    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank)
+    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases)
     if ckpt_path is not None:
         # Verified before any rank started (or by rank 0); read it as it is.
         restore(state, read_checkpoint(Path(ckpt_path)))
@@ -292,9 +297,26 @@ def _train_rank(
     return _run(state, console)
 
 
+def memory_phase_file(run_dir: Path, rank: int, enabled: bool) -> Path | None:
+    """``<run>/memory/rank<N>.json`` when ``train.memory_phases`` is on."""
+    if not enabled:
+        return None
+    (run_dir / "memory").mkdir(parents=True, exist_ok=True)
+    return run_dir / "memory" / f"rank{rank}.json"
+
+
+def memory_row(state: RunState, phases: MemoryPhases) -> dict[str, float]:
+    """This rank's tensors, its peak, and its floor (tensors + start-up runtime), in MiB."""
+    held = held_tensor_mb(state.model.parameters(), state.optimizer)
+    phases.note_held(held)
+    peak = max(peak_memory_mb(state.device), phases.peak_mb)
+    return {**held, "peak_mem_mb": peak, "mem_floor_mb": sum(held.values()) + phases.runtime_mb}
+
+
 def _run(state: RunState, console: bool) -> TrainResult:
     """The step loop; every rank runs it, rank 0 alone writes metrics."""
     cfg, model, optimizer, run_dir = state.cfg, state.model, state.optimizer, state.run_dir
+    phases = state.phases or MemoryPhases(state.device, None)
     t, start_step = cfg.train, state.start_step
     tokens_per_step = t.batch_size * t.grad_accum * cfg.parallel.dp * cfg.data.seq_len
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -334,6 +356,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                 inputs, targets = next(state.loader)
                 with autocast, torch.profiler.record_function("forward_backward"):
                     total += model.forward_backward(inputs, targets)
+            phases.mark("forward/backward")
             loss_value = model.global_mean(total / t.grad_accum)
             with torch.profiler.record_function("clip_gradients"):
                 grad_norm = model.clip_gradients(t.grad_clip)
@@ -348,6 +371,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                 )
             with torch.profiler.record_function("optimizer.step"):
                 optimizer.step()
+            phases.mark("step")
             crash_point("step", state.rank, step)
             if state.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -375,7 +399,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                     **{f"comm_{g}_time_s": comm[g] for g in COMM_GROUPS},
                     # CUDA FSDP streams may overlap compute: never report negative compute.
                     "compute_time_s": max(0.0, step_time - sum(comm.values())),
-                    "peak_mem_mb": peak_memory_mb(state.device),
+                    **memory_row(state, phases),
                 }
                 if job_peak:
                     row["mfu"] = flops_per_s / job_peak
@@ -386,6 +410,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
             profiler.after_step(step)
             if step % t.eval_every == 0 or step == t.steps:
                 val_loss = model.evaluate(state.val_data, autocast)
+                phases.mark("eval")
                 if metrics is not None:
                     metrics.write(
                         {"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
@@ -395,6 +420,7 @@ def _run(state: RunState, console: bool) -> TrainResult:
                 )
             if step % t.ckpt_every == 0 or step == t.steps:
                 blocked = save(state, step)
+                phases.mark("save")
                 if metrics is not None:
                     metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
             progress.update(step, row)

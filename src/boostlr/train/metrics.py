@@ -97,6 +97,8 @@ def format_stats(row: dict[str, Any]) -> str:
         stats += f"  MFU {100 * row['mfu']:.1f}%"
     if "peak_mem_mb" in row:
         stats += f"  mem {row['peak_mem_mb']:,.0f} MB"
+        if "mem_floor_mb" in row:
+            stats += f" / floor {row['mem_floor_mb']:,.0f}"
     return stats
 
 

@@ -24,6 +24,7 @@ from boostlr.train.checkpoint import (
     load_sharded_state,
     load_trainer_state,
 )
+from boostlr.train.memory import MemoryPhases
 from boostlr.train.optim import Anchor, lr_at, reanchor
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -42,6 +43,7 @@ class RunState:
     device: torch.device
     writer: CheckpointWriter
     rank: int
+    phases: MemoryPhases | None = None
     start_step: int = 0
     lr_anchor: Anchor | None = None
 

@@ -1,0 +1,200 @@
+"""Every rank's memory per phase, against its floor, for the layouts a user would train.
+
+Each layout is a real ``boostlr train`` run (its own ranks, fresh processes) with
+``--train.memory_phases true``: every rank writes its peak per phase (start-up, materialise,
+FSDP wrap, optimizer state, forward/backward, step, eval, save) and the tensors it holds.
+The floor of a rank is those tensors (parameters, gradients, AdamW moments) plus the runtime
+it had before the model existed. CPU ranks sample their resident set; CUDA ranks read
+``torch.cuda.max_memory_allocated``.
+
+    python benchmarks/memory.py --preset 1B --arch cola --layouts 2x2x2
+    python benchmarks/memory.py --preset 130M --layouts 1x1x1 2x2x1 1x2x2 2x2x2 --steps 2
+    python benchmarks/memory.py --activations --preset 350M --tp 2 --seq-len 256
+
+``--activations`` measures, for arch x strategy x act_ckpt at one tp degree, the
+forward/backward peak at two batch sizes; their difference over the batch difference is the
+activation memory per sequence (the constant parts cancel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = (
+    "start-up",
+    "materialise",
+    "FSDP wrap",
+    "optimizer state",
+    "forward/backward",
+    "step",
+    "eval",
+    "save",
+)
+
+
+def machine() -> str:
+    import torch
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def parse_layout(text: str) -> tuple[int, int, int]:
+    pp, dp, tp = (int(x) for x in text.split("x"))
+    return pp, dp, tp
+
+
+def run_layout(args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]) -> dict:
+    """Train ``args.steps`` steps plus one eval and one save; each rank's phase report."""
+    pp, dp, tp = layout
+    run_dir = Path(tempfile.mkdtemp(prefix="boostlr-mem-")) / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "boostlr.cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--model.preset",
+        args.preset,
+        "--model.arch",
+        args.arch,
+        "--data.seq_len",
+        str(args.seq_len),
+        "--train.batch_size",
+        str(args.batch_size),
+        "--train.steps",
+        str(args.steps),
+        "--train.eval_every",
+        str(args.steps),
+        "--train.ckpt_every",
+        str(args.steps),
+        "--data.val_batches",
+        "1",
+        "--train.dtype",
+        args.dtype,
+        "--train.memory_phases",
+        "true",
+        "--parallel.device",
+        args.device,
+        "--parallel.pp",
+        str(pp),
+        "--parallel.dp",
+        str(dp),
+        "--parallel.tp",
+        str(tp),
+        *(["--data.path", args.data] if args.data else []),
+        *(["--model.vocab_size", str(args.vocab)] if args.vocab else []),
+        *(["--parallel.microbatches", str(args.microbatches)] if pp > 1 else []),
+        *extra,
+    ]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    reports = {}
+    for path in sorted((run_dir / "memory").glob("rank*.json")):
+        reports[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text())
+    return {"rc": done.returncode, "stderr": done.stderr[-2000:], "wall_s": wall, "ranks": reports}
+
+
+def floor_mb(report: dict) -> float:
+    return report["runtime_mb"] + sum(report["held"].values())
+
+
+def print_layout(label: str, result: dict) -> None:
+    ranks = result["ranks"]
+    print(f"\n### {label}: rc {result['rc']}, {result['wall_s']:.0f} s")
+    if result["rc"] != 0:
+        print(result["stderr"])
+    if not ranks:
+        return
+    phases = [ph for ph in PHASES if any(ph in r["phases"] for r in ranks.values())]
+    print("| rank | " + " | ".join(phases) + " | held | floor | peak / floor |")
+    print("|---" * (len(phases) + 4) + "|")
+    for rank, r in sorted(ranks.items()):
+        peaks = [r["phases"].get(ph, {}).get("peak_mb") for ph in phases]
+        cells = [f"{p:,.0f}" if p is not None else "-" for p in peaks]
+        peak = max(p for p in peaks if p is not None)
+        held = sum(r["held"].values())
+        print(
+            f"| {rank} | " + " | ".join(cells) + f" | {held:,.0f} | {floor_mb(r):,.0f} | "
+            f"{peak / floor_mb(r):.2f} |"
+            if r["held"]
+            else f"| {rank} | " + " | ".join(cells) + " | - | - | - |"
+        )
+    worst = max(
+        (max(p["peak_mb"] for p in r["phases"].values()) / floor_mb(r), k)
+        for k, r in ranks.items()
+        if r["held"]
+    )
+    print(f"largest rank's peak / floor: {worst[0]:.2f} (rank {worst[1]})")
+
+
+def activations(args: argparse.Namespace) -> None:
+    """Activation MiB per sequence for arch x strategy x act_ckpt at ``--tp``."""
+    combos = [
+        ("full", "megatron", "none"),
+        ("full", "megatron", "block"),
+        ("cola", "vanilla", "none"),
+        ("cola", "btp", "none"),
+        ("cola", "btp", "lowrank"),
+        ("cola", "btp", "block"),
+    ]
+    small, large = args.batch_size, 2 * args.batch_size
+    rows = []
+    for arch, strategy, ckpt in combos:
+        peaks = []
+        for batch in (small, large):
+            ns = argparse.Namespace(**{**vars(args), "arch": arch, "batch_size": batch, "steps": 1})
+            extra = ["--parallel.tp_strategy", strategy, "--parallel.act_ckpt", ckpt]
+            result = run_layout(ns, (1, 1, args.tp), extra)
+            if result["rc"] != 0:
+                sys.exit(f"{arch} {strategy} {ckpt} failed:\n{result['stderr']}")
+            fb = [r["phases"]["forward/backward"]["peak_mb"] for r in result["ranks"].values()]
+            before = [r["phases"]["optimizer state"]["after_mb"] for r in result["ranks"].values()]
+            peaks.append(max(f - b for f, b in zip(fb, before, strict=True)))
+        rows.append((arch, strategy, ckpt, (peaks[1] - peaks[0]) / (large - small)))
+        print(f"  measured {arch} {strategy} {ckpt}", file=sys.stderr, flush=True)
+    base = rows[0][3]
+    print(f"\n### activation memory per sequence, tp {args.tp}, {args.preset}, seq {args.seq_len}")
+    print("| arch | strategy | act_ckpt | MiB / sequence | vs full+megatron |")
+    print("|---|---|---|---|---|")
+    for arch, strategy, ckpt, per_seq in rows:
+        print(f"| {arch} | {strategy} | {ckpt} | {per_seq:,.1f} | {per_seq / base:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="130M")
+    ap.add_argument("--arch", default="cola")
+    ap.add_argument("--layouts", nargs="+", default=["2x2x2"], help="PPxDPxTP, e.g. 2x2x2")
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--data", default="", help="a prepared dataset (default: the stdlib corpus)")
+    ap.add_argument("--vocab", type=int, default=0, help="model.vocab_size (0: the tokenizer's)")
+    ap.add_argument("--activations", action="store_true")
+    ap.add_argument("--tp", type=int, default=2, help="tp degree of --activations")
+    args, extra = ap.parse_known_args()
+    print(f"machine: {machine()}; date {time.strftime('%Y-%m-%d')}")
+    if args.activations:
+        activations(args)
+        return
+    for text in args.layouts:
+        result = run_layout(args, parse_layout(text), extra)
+        print_layout(f"{args.preset} {args.arch} pp x dp x tp = {text} {' '.join(extra)}", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""What a rank's memory holds: its tensors by construction, its peak, and its floor.
+
+The floor is what a rank cannot do without: the bytes of the parameters, gradients and
+optimizer state it holds (16 bytes per fp32 parameter under AdamW) plus the process's
+runtime (Python, torch, the process groups) measured before the model exists. Everything a
+rank's peak holds above its floor is activations, communication buffers and allocator slack:
+the part a memory fix can change.
+
+On CUDA the peak is the caching allocator's high-water mark of allocated bytes; on CPU it is
+the process's resident set, sampled from ``/proc`` (the kernel resets the high-water mark on
+request, so each phase has a peak of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MB = 2**20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared storages counted once)."""
+    total = 0
+    for t in tensors:
+        local = _local(t)
+        if local.device.type == "meta":
+            continue
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def held_tensor_mb(
+    params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None
+) -> dict[str, float]:
+    """``mem_params_mb``, ``mem_grads_mb``, ``mem_optim_mb``: this rank's own tensors."""
+    seen: set[int] = set()
+    held = _storage_bytes(params, seen)
+    grads = _storage_bytes((p.grad for p in params if p.grad is not None), seen)
+    optim = 0
+    if optimizer is not None:
+        state = (v for s in optimizer.state.values() for v in s.values())
+        # Scalar step counters are tensors too; they belong to the optimizer's bytes.
+        optim = _storage_bytes((v for v in state if isinstance(v, torch.Tensor)), seen)
+    return {"mem_params_mb": held / MB, "mem_grads_mb": grads / MB, "mem_optim_mb": optim / MB}
+
+
+def current_rss_mb() -> float:
+    """The process's resident set now (Linux ``/proc``; the high-water mark elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * resource.getpagesize() / MB
+    except OSError:
+        return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """The process's high-water resident set since start, or since the last reset."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / MB if sys.platform == "darwin" else rss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new high-water mark at the current resident set (Linux; ``False`` elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def device_now_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / MB
+    return current_rss_mb()
+
+
+def device_peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MB
+    return peak_rss_mb()
+
+
+class MemoryPhases:
+    """Per-phase memory of one rank: each phase's peak and what it leaves behind.
+
+    ``mark(name)`` closes the phase that ended now; a phase marked again (every step's
+    forward/backward) keeps its largest peak. With a ``path`` (``train.memory_phases``) the
+    table is rewritten atomically at every mark, one file per rank, so a rank that dies
+    leaves the phases it reached; without one only the start-up runtime is measured.
+    """
+
+    def __init__(self, device: torch.device, path: Path | None, allocator: str = ""):
+        self.device, self.path, self.allocator = device, path, allocator
+        self.rows: dict[str, dict[str, float]] = {}
+        self.held: dict[str, float] = {}
+        self.runtime_mb = device_now_mb(device)
+        self.mark("start-up")
+
+    def note_held(self, held: dict[str, float]) -> None:
+        """Record the rank's own tensors (its floor less the runtime) with the phases."""
+        self.held = held
+
+    def mark(self, phase: str) -> None:
+        if self.path is None:
+            return
+        peak = max(device_peak_mb(self.device), device_now_mb(self.device))
+        row = self.rows.setdefault(phase, {"peak_mb": 0.0, "after_mb": 0.0})
+        row["peak_mb"] = max(row["peak_mb"], peak)
+        row["after_mb"] = device_now_mb(self.device)
+        tmp = self.path.with_suffix(".tmp")
+        report = {
+            "allocator": self.allocator,
+            "runtime_mb": self.runtime_mb,
+            "held": self.held,
+            "phases": self.rows,
+        }
+        tmp.write_text(json.dumps(report))
+        tmp.replace(self.path)
+        # The next phase's peak starts from what this one left.
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
+
+    @property
+    def peak_mb(self) -> float:
+        """The largest peak of any phase so far (the per-phase resets hide it from the OS)."""
+        marked = max((r["peak_mb"] for r in self.rows.values()), default=0.0)
+        return max(marked, device_peak_mb(self.device))
