@@ -189,3 +189,28 @@ def test_pp2_metrics_time_the_pipeline_waits(small_dataset: Path, tmp_path: Path
     rows = [r for r in metric_rows(run) if "loss" in r]
     check_time_breakdown(rows)
     assert all(r["comm_pp_time_s"] > 0 and r["comm_pp_bytes"] > 0 for r in rows)
+
+
+def test_a_sigkilled_rank_is_named_as_likely_out_of_memory(
+    small_dataset: Path,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL is what the OOM killer sends: the launcher names the rank, the cause, the fix."""
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "--quiet", "--model.preset", "tiny"]
+    args += ["--data.path", str(small_dataset), "--data.seq_len", "32", "--parallel.tp", "2"]
+    args += ["--train.steps", "4", "--train.ckpt_every", "2", "--train.eval_every", "100"]
+    monkeypatch.setenv("BOOSTLR_CRASH_AT", "step:3@1")  # after step 2's checkpoint
+    code = main(args)
+    err = capfd.readouterr().err
+    assert code == 1, err
+    killed = [x for x in err.splitlines() if "was killed by" in x]
+    assert len(killed) == 1, err
+    line = killed[0]
+    assert line.startswith("boostlr: rank 1 was killed by SIGKILL (likely out of memory: peak RSS")
+    assert "MiB on this machine); try --parallel.act_ckpt lowrank" in line
+    assert "--train.batch_size" in line and "Traceback" not in err
+    # The last good checkpoint is kept and resumable.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]

@@ -218,7 +218,14 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool
         run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if own_process:
         _restart_with_allocator(cfg)
-    train(cfg, run_dir, resume=args.resume, console=not args.quiet)
+    try:
+        train(cfg, run_dir, resume=args.resume, console=not args.quiet)
+    except ChildFailedError as exc:
+        from boostlr.train.failures import killed_rank_messages
+
+        for line in killed_rank_messages(exc, cfg):
+            print(f"boostlr: {line}", file=sys.stderr, flush=True)
+        raise
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
@@ -409,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except ChildFailedError as exc:  # each rank has printed its own error already
         failures = exc.failures.values()
-        ranks = ", ".join(str(f.local_rank) for f in failures)
-        print(f"boostlr: training failed on rank(s) {ranks} (errors above)", file=sys.stderr)
+        ranks = ", ".join(str(rank) for rank in sorted(exc.failures))
+        print(f"boostlr: training failed on rank(s) {ranks} (see above)", file=sys.stderr)
         bad_input = all(f.exitcode == EXIT_BAD_INPUT for f in failures)
         return EXIT_BAD_INPUT if bad_input else EXIT_FAILED
     except KeyboardInterrupt:

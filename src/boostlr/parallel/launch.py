@@ -71,13 +71,17 @@ def launch(
     os.environ.update(child_env)  # spawned children inherit it before importing torch
     # The ranks print their own errors (one line, or a traceback for a crash); the agent's
     # log would repeat each of them as a wall of text.
-    agent_log = logging.getLogger("torch.distributed.elastic")
-    saved_level = agent_log.level
-    agent_log.setLevel(logging.CRITICAL)
+    agent_logs = [
+        logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")
+    ]
+    saved_levels = [log.level for log in agent_logs]
+    for log in agent_logs:
+        log.setLevel(logging.CRITICAL)
     try:
         return elastic_launch(config, entrypoint)(*args)
     finally:
-        agent_log.setLevel(saved_level)
+        for log, level in zip(agent_logs, saved_levels, strict=True):
+            log.setLevel(level)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -217,14 +217,25 @@ def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bo
     except TrainingDiverged as exc:
         print(f"boostlr: rank {rank}: training diverged: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
-    except Exception:
-        print(
-            f"boostlr: rank {rank} crashed:\n{traceback.format_exc()}", file=sys.stderr, flush=True
-        )
+    except Exception as exc:
+        if lost_peer(exc):  # the launcher names the rank that died and why
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"boostlr: rank {rank}: lost a peer rank ({first})", file=sys.stderr, flush=True)
+        else:
+            trace = traceback.format_exc()
+            print(f"boostlr: rank {rank} crashed:\n{trace}", file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)
     finally:
         if distributed:
             dist.destroy_process_group()
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_peer(exc: Exception) -> bool:
+    """A collective failed because another rank went away (not this rank's own fault)."""
+    return isinstance(exc, dist.DistNetworkError) or any(s in str(exc) for s in _PEER_GONE)
 
 
 def _check_run_dir(
