@@ -75,11 +75,41 @@ def head_input(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:
 # ------------------------------------------------------------------------ norm + down-proj
 
 
+class _GroupedDown(torch.autograd.Function):
+    """``[y A_1ᵀ | y A_2ᵀ | ...]`` as one GEMM over the stacked rows ``[A_1; A_2; ...]``.
+
+    Autograd would save the concatenated weight for the backward: a copy of the block's
+    down-projections per micro-batch in flight, which also outlives FSDP's reshard. Here
+    only ``y`` and the weights themselves are saved; the backward concatenates again (a
+    transient) and computes every weight gradient in one GEMM, split by rows.
+    """
+
+    @staticmethod
+    def forward(ctx, y: Tensor, *downs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        device = y.device.type
+        ctx.device, ctx.autocast = device, torch.is_autocast_enabled(device)
+        ctx.autocast_dtype = torch.get_autocast_dtype(device)
+        ctx.save_for_backward(y, *downs)
+        ctx.sizes = [a.shape[0] for a in downs]
+        return tuple(F.linear(y, torch.cat(downs)).split(ctx.sizes, -1))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        y, *downs = ctx.saved_tensors
+        with torch.autocast(ctx.device, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
+            grad = torch.cat(grads, -1)
+            grad_y = torch.matmul(grad, torch.cat(downs)).to(y.dtype)
+            grad_w = torch.matmul(grad.flatten(0, -2).t(), y.flatten(0, -2))
+        return (
+            grad_y,
+            *(g.to(a.dtype) for g, a in zip(grad_w.split(ctx.sizes), downs, strict=True)),
+        )
+
+
 def _down(y: Tensor, downs: list[Tensor], grouped: bool) -> list[Tensor]:
     """A projections of one input; grouped: one GEMM over the stacked rows ``[A_1; A_2; ...]``."""
     if grouped and len(downs) > 1:
-        joined = F.linear(y, torch.cat(downs))
-        return list(joined.split([a.shape[0] for a in downs], -1))
+        return list(_GroupedDown.apply(y, *downs))
     return [F.linear(y, a) for a in downs]
 
 
@@ -178,11 +208,16 @@ class _UpProjection(torch.autograd.Function):
     The input gradients ``∂h_i = ∂y_i B_i`` are computed first and sent off (concatenated, the
     layout :func:`_enter_region` joined them in); the weight gradients ``∂B_i = ∂y_iᵀ h_i``
     are computed while the ranks exchange them. Autocast is replayed in the backward so the
-    GEMMs run in the forward's dtype, as autograd's own would.
+    GEMMs run in the forward's dtype, as autograd's own would. Only the ``h_i`` and ``B_i``
+    themselves are saved: the grouped forward's stacked copies (one batched GEMM) are
+    transients, never held for the backward. Without a ``pending`` all-reduce (TP 1) it is
+    the same Function minus the early start.
     """
 
     @staticmethod
-    def forward(ctx, pending: PendingAllReduce, grouped: bool, *hw: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(
+        ctx, pending: PendingAllReduce | None, grouped: bool, *hw: Tensor
+    ) -> tuple[Tensor, ...]:  # type: ignore[override]
         n = len(hw) // 2
         hs, ws = list(hw[:n]), list(hw[n:])
         device = hs[0].device.type
@@ -199,7 +234,8 @@ class _UpProjection(torch.autograd.Function):
         hs, ws = saved[:n], saved[n:]
         with torch.autocast(ctx.device, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
             grad_h = [torch.matmul(g, w).to(h.dtype) for g, w, h in zip(grads, ws, hs, strict=True)]
-            ctx.pending.start(grad_h[0] if n == 1 else torch.cat(grad_h, -1))
+            if ctx.pending is not None:
+                ctx.pending.start(grad_h[0] if n == 1 else torch.cat(grad_h, -1))
             grad_w = [
                 torch.matmul(g.flatten(0, -2).t(), h.flatten(0, -2)).to(w.dtype)
                 for g, w, h in zip(grads, ws, hs, strict=True)
@@ -215,7 +251,7 @@ def _up(
     With a ``pending`` all-reduce (see :func:`_enter_region`) the backward starts it before
     the weight gradients.
     """
-    if pending is not None:
+    if pending is not None or (grouped and len(hs) > 1):
         return list(_UpProjection.apply(pending, grouped, *hs, *weights))
     return _up_math(hs, weights, grouped)
 
