@@ -160,9 +160,9 @@ class TrainConfig:
     # Write each rank's memory per phase (start-up, materialise, FSDP wrap, optimizer state,
     # forward/backward, step, eval, save) to <run>/memory/rank<N>.json.
     memory_phases: bool = False
-    # CPU: keep freed host memory in the process (glibc mallopt: no mmap for big blocks, no
-    # trim), so the large tensors every step reallocates skip the kernel's page faults.
-    # Measured 1.2x (fp32) to 1.7x (bf16) on the 60M shape, for about 1.3x the peak RSS.
+    # CPU: a caching host allocator, so the large tensors every step reallocates skip the
+    # kernel's page faults: jemalloc/tcmalloc preloaded into the ranks when installed, else
+    # glibc's heap told to keep what it frees (mallopt).
     cpu_alloc_cache: bool = True
     # The LM head and its cross-entropy in one step: each chunk of logits becomes its
     # gradient while in cache; one [tokens, vocab] buffer kept instead of about four
