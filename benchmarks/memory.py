@@ -43,7 +43,8 @@ PHASES = (
 def machine() -> str:
     import torch
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def parse_layout(text: str) -> tuple[int, int, int]:
