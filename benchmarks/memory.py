@@ -106,6 +106,52 @@ def run_layout(args: argparse.Namespace, layout: tuple[int, int, int], extra: li
     return {"rc": done.returncode, "stderr": done.stderr[-2000:], "wall_s": wall, "ranks": reports}
 
 
+def predicted_mb(args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]):
+    """``boostlr plan``'s memory per pp rank for the same run (no device reserve), MiB."""
+    from boostlr.analysis.costmodel import memory_breakdown
+    from boostlr.analysis.hardware import load_profile
+    from boostlr.config import build_config
+
+    pp, dp, tp = layout
+    pairs = [
+        ("model.preset", args.preset),
+        ("model.arch", args.arch),
+        ("data.seq_len", str(args.seq_len)),
+        ("train.batch_size", str(args.batch_size)),
+        ("train.dtype", args.dtype),
+        ("parallel.pp", str(pp)),
+        ("parallel.dp", str(dp)),
+        ("parallel.tp", str(tp)),
+        *([("parallel.microbatches", str(args.microbatches))] if pp > 1 else []),
+        *((extra[i].removeprefix("--"), extra[i + 1]) for i in range(0, len(extra), 2)),
+    ]
+    cfg = build_config(overrides=pairs)
+    cfg.model.vocab_size = args.vocab or args.data_vocab
+    hw = load_profile("a100-40gb")
+    out = {}
+    for rank in range(pp):
+        parts = memory_breakdown(cfg, hw, rank)
+        parts.pop("reserved")
+        out[rank] = sum(parts.values()) / 2**20
+    return out
+
+
+def print_vs_plan(result: dict, predicted: dict[int, float], layout: tuple[int, int, int]) -> None:
+    """Measured tensor memory (peak - runtime) of each pipeline stage's largest rank."""
+    _, dp, tp = layout
+    print("| pp rank | measured peak - runtime (MiB) | plan (MiB) | plan / measured |")
+    print("|---|---|---|---|")
+    for pp_rank, plan in predicted.items():
+        ranks = range(pp_rank * dp * tp, (pp_rank + 1) * dp * tp)
+        measured = max(
+            max(p["peak_mb"] for p in result["ranks"][r]["phases"].values())
+            - result["ranks"][r]["runtime_mb"]
+            for r in ranks
+            if r in result["ranks"]
+        )
+        print(f"| {pp_rank} | {measured:,.0f} | {plan:,.0f} | {plan / measured:.2f} |")
+
+
 def floor_mb(report: dict) -> float:
     return report["runtime_mb"] + sum(report["held"].values())
 
@@ -172,6 +218,13 @@ def activations(args: argparse.Namespace) -> None:
         print(f"| {arch} | {strategy} | {ckpt} | {per_seq:,.1f} | {per_seq / base:.2f} |")
 
 
+def dataset_vocab(path: str) -> int:
+    """The tokenizer's vocabulary of a prepared dataset (0 for the default corpus: preset's)."""
+    if not path:
+        return 0
+    return int(json.loads((Path(path) / "manifest.json").read_text())["vocab_size"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="130M")
@@ -192,9 +245,13 @@ def main() -> None:
     if args.activations:
         activations(args)
         return
+    args.data_vocab = dataset_vocab(args.data)
     for text in args.layouts:
-        result = run_layout(args, parse_layout(text), extra)
+        layout = parse_layout(text)
+        result = run_layout(args, layout, extra)
         print_layout(f"{args.preset} {args.arch} pp x dp x tp = {text} {' '.join(extra)}", result)
+        if result["ranks"] and args.dtype == "float32":
+            print_vs_plan(result, predicted_mb(args, layout, extra), layout)
 
 
 if __name__ == "__main__":

@@ -147,8 +147,7 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
     report["metrics"] = model.step_metrics()
     report["coords"] = (model.comms.pp.rank, model.comms.dp.rank, model.comms.tp.rank)
     report["local_numel"] = {n: p.to_local().numel() for n, p in model.named_parameters()}
-    if model.comms.pp.size == 1:
-        report["fsdp_modules"] = fsdp_module_elements(model)
+    report["fsdp_modules"] = fsdp_module_elements(model)
     return report
 
 
@@ -158,10 +157,13 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, RunConfig, int]]) ->
 
 
 def fsdp_module_elements(model: ParallelModel) -> list[int]:
-    """Padded local shard elements of each FSDP module (every block, then the root)."""
+    """Padded local shard elements of each FSDP module (every block, then the root), for
+    each stage this rank holds."""
     dp, tp, tp_rank = model.comms.dp.size, model.comms.tp.size, model.comms.tp.rank
-    (part,) = model.stages
+    return [n for part in model.stages for n in _stage_modules(part, dp, tp, tp_rank)]
 
+
+def _stage_modules(part, dp: int, tp: int, tp_rank: int) -> list[int]:
     def padded(name: str, p: torch.Tensor) -> int:
         shape = list(p.shape)  # global
         dim = part.specs[name].dim

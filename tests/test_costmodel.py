@@ -423,6 +423,7 @@ TP_CASES = [
     ("lax", "btp", 4),
     ("full", "megatron", 4, "unfused"),
     ("cola", "btp", 4, "unfused"),
+    ("cola", "btp", 4, "blocking"),  # parallel.tp_overlap off
 ]
 ONE_DEVICE_CASES = [("full", "auto", 4), ("full", "auto", 2), ("cola", "auto", 4)]
 ONE_DEVICE_CASES += [("cola", "auto", 2), ("svd", "auto", 4), ("lax", "auto", 4)]
@@ -460,6 +461,7 @@ def _census_config(arch: str, strategy: str, kv_heads: int, tp: int, *flags: str
         "parallel.tp": tp,
         "parallel.tp_strategy": strategy,
         "train.fused_loss": "unfused" not in flags,
+        "parallel.tp_overlap": "blocking" not in flags,
     }
     return build_config(overrides=[(k, str(v)) for k, v in over.items()])
 
@@ -530,10 +532,11 @@ def _check_census(tp: int, counted: dict) -> None:
         fused = cfg.train.fused_loss
         for layer in (0, 1):
             got = result[str(layer)]
-            ops = block_ops(m, run, tp, layer)
+            overlap = cfg.parallel.tp_overlap
+            ops = block_ops(m, run, tp, layer, overlap=overlap)
             want = (ops.kernels_fwd, ops.views_fwd, ops.kernels_bwd, ops.views_bwd)
             assert got["ops"] == want, (label, layer, got["ops"], want)
-            ew = block_elementwise(m, run, tp, b * s, 4, layer)
+            ew = block_elementwise(m, run, tp, b * s, 4, layer, overlap=overlap)
             for model, census in zip((ew.fwd, ew.bwd), got["bytes"], strict=True):
                 assert abs(model / census - 1) <= EW_TOL, (label, layer, model, census)
         if arch == "lax":  # the lone blocks' latent gradients differ from the chained ones

@@ -13,7 +13,7 @@ from distributed import run_distributed
 from fp32_noise import layout_bound
 from parallel_cases import layout_config, run_cases
 
-from boostlr.analysis.comm import fsdp_bytes, pp_send_bytes
+from boostlr.analysis.comm import fsdp_bytes, fsdp_pipeline_bytes, pp_send_bytes
 
 LOSS_TOL = 1e-5
 
@@ -105,6 +105,15 @@ def test_pp2_dp2_tp2_follows_the_single_device_curve() -> None:
         cfg = layout_config(arch, strategy, 2, 2, 2, **{"parallel.pp_schedule": schedule, **extra})
         cases.append((f"pp2dp2tp2 {arch} {strategy} {schedule} {extra}", cfg, 5))
     per_rank = run(8, cases)
+    # FSDP under a pipeline: fsdp reshards and reduce-scatters per pipeline micro-batch,
+    # ddp gathers once per step (analysis/comm.py's formula, every rank).
+    for reports in per_rank:
+        for label, cfg, steps in cases:
+            report, p = reports[label], cfg.parallel
+            expected = fsdp_pipeline_bytes(
+                report["fsdp_modules"], p.dp, steps, p.dp_mode == "fsdp", p.pp_microbatches
+            )
+            assert report["metrics"]["comm_dp_bytes"] == expected, (label, report["coords"])
     # Memory contract: every rank holds only its shards. Summed over the 8 ranks, the
     # parameter elements are the single-device model's, replicated tp-fold only for
     # parameters the strategy keeps whole (norm gains, LaX crossings).

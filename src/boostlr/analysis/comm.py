@@ -178,15 +178,15 @@ def fsdp_pipeline_bytes(
 ) -> int:
     """FSDP2 traffic of one pipeline rank per step (payload = the full buffer).
 
-    Under a ``torch.distributed.pipelining`` schedule the stage keeps gathered parameters
-    after each backward and reduces gradients once, after the last pipeline micro-batch.
-    Measured on torch 2.13 (gloo, GPipe / 1F1B / interleaved): with resharding after forward
-    (``fsdp``) every module is all-gathered ``pp_microbatches + 1`` times per schedule step,
-    without it (``ddp``) once; its gradients are reduce-scattered once. ``micro_batches``
-    schedule steps (``grad_accum``) repeat all of it.
+    ``fsdp`` mode (``reshard``): boostlr's stages reshard and reduce-scatter after every
+    pipeline micro-batch's backward, so each micro-batch gathers every module in its forward
+    and again in its backward and reduce-scatters its gradients, as without a pipeline.
+    ``ddp`` keeps torch's behaviour: each module gathered once per schedule step and its
+    gradients reduce-scattered once, after the last micro-batch. ``micro_batches`` schedule
+    steps (``grad_accum``) repeat all of it.
     """
     if dp == 1:
         return 0
     full = sum(n * dp * FP32 for n in module_shard_elements)
-    gathers = pp_microbatches + 1 if reshard else 1
-    return micro_batches * (gathers + 1) * full
+    per_step = 3 * pp_microbatches if reshard else 2
+    return micro_batches * per_step * full

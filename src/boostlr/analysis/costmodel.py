@@ -336,8 +336,25 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     if p.act_ckpt != "none":  # one block's full activations while it is recomputed
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     if any(last for _, _, last in stages):
-        acts += tokens * -(-m.vocab_size // (p.tp if strategy else 1)) * (a + 2 * FP32)
+        # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
+        # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
+        fused = cfg.train.fused_loss and p.pp == 1
+        acts += (
+            tokens * -(-m.vocab_size // (p.tp if strategy else 1)) * (a if fused else a + 2 * FP32)
+        )
     out["activations"] = acts
+    if p.pp == 1 and cfg.train.grad_accum == 1 and layers > 1:
+        # One micro-batch per step: the backward frees each block's activations as it makes
+        # that block's gradients, so the two peak apart: all activations and the first
+        # block's gradients at the start of the backward, or all gradients and one block's
+        # activations at its end (with accumulation the gradients of the previous
+        # micro-batch are held throughout, and both count in full).
+        grads = out["grads"]
+        start = acts + grads / layers
+        end = grads + acts / layers
+        out["grads"], out["activations"] = (
+            (grads / layers, acts) if start >= end else (grads, acts / layers)
+        )
     out["reserved"] = hw.reserved
     return out
 
@@ -445,8 +462,10 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         for r in ranks:
             nbytes = comm_metrics(cfg, r)["comm_dp_bytes"]
             modules = max(1, sum(1 for n in params[r].modules if n))
-            gathers = (mb + 1 if p.pp > 1 else 2) if p.dp_mode == "fsdp" else 1
-            calls = steps * modules * (gathers + 1)
+            if p.dp_mode == "fsdp":  # per (pipeline) micro-batch: 2 gathers, 1 reduction
+                calls = steps * (mb if p.pp > 1 else 1) * modules * 3
+            else:  # gathered once per step, reduced once
+                calls = steps * modules * 2
             span = p.dp * p.tp
             t_dp = collective_time("all_gather", nbytes, calls, p.dp, span, hw)
             exposed = max(0.0, t_dp - compute_only) + t_dp / modules

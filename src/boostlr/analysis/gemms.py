@@ -267,7 +267,9 @@ def _btp_elementwise(
     ``overlap`` (``parallel.tp_overlap``, TP > 1): each up-projection's backward is one GEMM
     per B (no stacked gradients) plus the concatenated input gradients it sends off.
     """
-    overlapped = overlap and grouping and t > 1
+    # Grouped up-projections are one autograd Function (its backward: one GEMM per B);
+    # with overlap at TP > 1 it also concatenates the input gradients it sends off.
+    sends = overlap and grouping and t > 1
     d, kv, f, r = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t, cfg.rank
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
     lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
@@ -299,14 +301,15 @@ def _btp_elementwise(
         # of the unbound outputs stacked in the backward.
         qkv = [d, kv, kv] if kv == d else [kv, kv]
         fwd += 2 * r * (len(qkv) + 2)
-        bwd += 2 * 5 * r if overlapped else 2 * (sum(qkv) + 2 * f)
+        bwd += 2 * 5 * r if sends else 0
     silu = lat_silu * 7 * r + (f if cfg.mlp_form == "swiglu" else 0)
     ew = ElementWise(fwd * tokens * act, bwd * tokens * act, silu * tokens, silu * tokens)
-    if grouping:  # weights concatenated / stacked every step (fp32), their grads copied
+    if grouping:  # weights concatenated / stacked every step (fp32); the backward
+        # concatenates the A's again (only the weights themselves are saved)
         qkv = [d, kv, kv] if kv == d else [kv, kv]
         cat = 2 * r * (cfg.dim // t) * groups  # [A_q; A_k; A_v], [A_gate; A_up]
         stacked = r * (sum(qkv) + 2 * f)  # B_q, B_k, B_v / B_gate, B_up
-        ew = ew + ElementWise((cat + 2 * stacked) * FP32, (0 if overlapped else 2) * stacked * FP32)
+        ew = ew + ElementWise((cat + 2 * stacked) * FP32, cat * FP32)
     return ew
 
 
@@ -404,14 +407,14 @@ BLOCK_OPS: dict[tuple[str, str], OpCount] = {
     ("vanilla", "svd"): OpCount(30, 87, 49, 140),
     ("vanilla", "lax0"): OpCount(100, 143, 182, 217),
     ("vanilla", "lax"): OpCount(107, 199, 182, 336),
-    ("btp", "cola"): OpCount(62, 91, 76, 144),  # parallel.tp_overlap (the default)
-    ("btp", "svd"): OpCount(55, 91, 69, 144),
-    ("btp", "lax0"): OpCount(104, 105, 181, 179),
-    ("btp", "lax"): OpCount(111, 161, 181, 298),
-    ("btp1", "cola"): OpCount(38, 57, 65, 99),  # BTP's block on one device (grouped)
-    ("btp1", "svd"): OpCount(31, 57, 58, 99),
-    ("btp1", "lax0"): OpCount(80, 64, 170, 127),
-    ("btp1", "lax"): OpCount(87, 106, 170, 232),
+    ("btp", "cola"): OpCount(62, 91, 78, 139),  # parallel.tp_overlap (the default)
+    ("btp", "svd"): OpCount(55, 91, 71, 139),
+    ("btp", "lax0"): OpCount(104, 105, 183, 174),
+    ("btp", "lax"): OpCount(111, 161, 183, 293),
+    ("btp1", "cola"): OpCount(38, 57, 55, 98),  # BTP's block on one device (grouped)
+    ("btp1", "svd"): OpCount(31, 57, 48, 98),
+    ("btp1", "lax0"): OpCount(80, 64, 160, 126),
+    ("btp1", "lax"): OpCount(87, 106, 160, 231),
 }
 # GQA (fewer kv heads) repeats k and v: a few more ops per block.
 GQA_OPS: dict[str, OpCount] = {
@@ -419,11 +422,11 @@ GQA_OPS: dict[str, OpCount] = {
     "megatron": OpCount(2, 6, 1, 4),
     "vanilla": OpCount(2, 6, 3, 4),
     "btp": OpCount(2, 7, 1, 4),
-    "btp1": OpCount(2, 7, 1, 7),
+    "btp1": OpCount(2, 7, 3, 4),
 }
-# BTP at TP > 1 with tp_overlap off: autograd's bmm / stack backward instead of one GEMM per
-# up-projection (census of the blocking path).
-BLOCKING_BTP_BWD = OpCount(0, 0, 14, -14)
+# BTP at TP > 1 with tp_overlap off: the latents' backward all-reduce is autograd's (after
+# the weight gradients) instead of started inside the up-projection (census of that path).
+BLOCKING_BTP_BWD = OpCount(0, 0, 2, -10)
 # Embedding, RoPE tables, final norm, LM head and loss, once per micro-batch.
 HEAD_OPS: dict[str, OpCount] = {
     "plain": OpCount(23, 14, 17, 12),
