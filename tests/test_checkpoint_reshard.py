@@ -1,4 +1,4 @@
-"""A checkpoint saved at one layout resumes at any other (DESIGN §4.2), with real gloo ranks.
+"""A checkpoint saved at one layout resumes at any other (docs/design.md §5), with real gloo ranks.
 
 The first resumed step runs from the loaded weights, so its loss equals the uninterrupted
 run's up to fp32 reduction order (``LOSS_TOL``, as in the 3D tests). The second step adds

@@ -175,7 +175,7 @@ def test_plan_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["comm_s"] + r["bubble_s"])
         assert r["fits"] == (r["memory_gb"] <= data["hardware"]["memory"] / 1e9)
     assert data["layout"]["tp"] == 4 and data["hardware"]["name"] == "a100-40gb"
-    # DESIGN §2's per-block forward figures for LLaMA-7B, batch 4, bf16 (GiB).
+    # docs/design.md §2's per-block forward figures for LLaMA-7B, batch 4, bf16 (GiB).
     gib = [r["tp_bytes_fwd_per_block"] / 2**30 for r in rows]
     assert round(gib[0], 2) == 0.25 and round(gib[2], 2) == 0.22 and abs(gib[1] - 1.32) < 0.03
     full, vanilla, btp = (r["step_time_s"] for r in rows)

@@ -3,7 +3,8 @@
 For every arch with each of its strategies, TP degree, grouping / norm mode and activation
 checkpointing mode: the loss and every parameter gradient (gathered to full shape) match
 the single-device model with the same weights, the communication ledger equals the
-DESIGN formula exactly, and replicated parameters keep identical gradients on all ranks.
+formula of docs/design.md §3 exactly, and replicated parameters keep identical gradients
+on all ranks.
 Along a short training run the same loss / gradient checks repeat at every step from
 identical weights, and a free-running TP curve stays within the reference's own
 sensitivity to rounding (see :func:`free_curve_tolerance`).
@@ -398,7 +399,7 @@ def test_strategies_at_tp1_run_the_same_math_without_communication() -> None:
 
 
 def test_btp_moves_fewer_bytes_than_vanilla_and_megatron() -> None:
-    """DESIGN's claim at LLaMA-7B shapes: ~5.9x less than vanilla, below full-rank Megatron."""
+    """The design's claim at LLaMA-7B shapes: ~5.9x less than vanilla, below full-rank Megatron."""
     cola = build_config(overrides=[("model.preset", "7B"), ("model.arch", "cola")]).model
     full = build_config(overrides=[("model.preset", "7B"), ("model.arch", "full")]).model
     cola.vocab_size = full.vocab_size = 32000

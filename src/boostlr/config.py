@@ -179,7 +179,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Process layout (pp x dp x tp, DESIGN.md §4) and tensor-parallel options (§2)."""
+    """Process layout (pp x dp x tp) and tensor-parallel options (docs/design.md §2, §4)."""
 
     device: str = "auto"
     # Local processes to launch; 0 = the product of the parallel degrees. When set it must
@@ -561,7 +561,7 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
 
 
 def validate_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
-    """Stage split and schedule checks (DESIGN.md §4.1: torch aborts on some of these)."""
+    """Stage split and schedule checks (docs/design.md §4: torch aborts on some of these)."""
     if p.pp == 1:
         return
     if p.pp > m.n_layers:

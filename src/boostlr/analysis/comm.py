@@ -1,4 +1,4 @@
-"""Exact per-step tensor-parallel communication of each strategy (DESIGN.md §2–§3).
+"""Exact per-step tensor-parallel communication of each strategy (docs/design.md §2–§3).
 
 These formulas mirror the collectives the strategies issue, call for call; the tests check
 them against the communication ledger of real gloo runs, so they can be trusted for
@@ -117,7 +117,7 @@ def tp_comm_volume(
 
 
 def per_block_forward(cfg: ModelConfig, strategy: str, tp: int, tokens: int, **options) -> int:
-    """Forward bytes of one block alone (the DESIGN's per-block comparison)."""
+    """Forward bytes of one block alone (the per-block comparison of docs/design.md §3)."""
     two = tp_comm_volume(replace(cfg, n_layers=2), strategy, tp, tokens, **options)
     one = tp_comm_volume(replace(cfg, n_layers=1), strategy, tp, tokens, **options)
     return two.fwd - one.fwd

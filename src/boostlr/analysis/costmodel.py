@@ -1,6 +1,6 @@
 """Predict a training step: traffic, memory and time of any model x strategy x layout x GPU.
 
-Pure arithmetic on shapes (DESIGN §5). Bytes come from :mod:`boostlr.analysis.comm`, whose
+Pure arithmetic on shapes (docs/design.md §6). Bytes come from :mod:`boostlr.analysis.comm`, whose
 formulas the tests check against the ledger of real runs, so ``comm_metrics`` is exactly what
 ``ParallelModel.step_metrics`` reports for the same rank. Time is a model:
 

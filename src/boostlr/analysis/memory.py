@@ -1,4 +1,4 @@
-"""Parameters each rank holds and the memory a training step needs on it (DESIGN §4, §5).
+"""Parameters each rank holds and the memory a training step needs on it (docs/design.md §4, §6).
 
 Parameter shards are not re-derived: the model is built on the meta device (no storage, so a
 30B model costs nothing) and each parameter's split dim comes from the strategy's own

@@ -1,7 +1,7 @@
 """Parameter access that works for plain tensors and for DTensor-wrapped shards.
 
-In a distributed run every parameter is a DTensor (its global shape and split dim, DESIGN.md
-§4.1) while the forward is the hand-written per-rank math: it reads the local shard.
+In a distributed run every parameter is a DTensor (its global shape and split dim,
+docs/design.md §4) while the forward is the hand-written per-rank math: it reads the local shard.
 """
 
 from __future__ import annotations

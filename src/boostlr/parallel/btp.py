@@ -1,4 +1,4 @@
-"""Bottleneck-aware tensor parallelism (BTP), DESIGN.md §2.
+"""Bottleneck-aware tensor parallelism (BTP), docs/design.md §2.
 
 A TP region starts at an up-projection B (column-parallel: splits its *output* — heads, MLP
 width, or the residual's d) and ends at the next down-projection A (row-parallel: splits its
@@ -138,7 +138,7 @@ def _reduce_norm_down(
     """All-reduce the partials (stats riding along unless ``norm=sync``), then normalise.
 
     The payload travels in the compute dtype (bf16 under autocast, statistics included, as
-    DESIGN's byte counts assume); the normalisation itself is done in fp32. At TP 1 the
+    the cost model's byte counts assume); the normalisation itself is done in fp32. At TP 1 the
     parts already are the normalised projections.
     """
     if ctx.comm.size == 1:

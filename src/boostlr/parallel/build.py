@@ -1,4 +1,4 @@
-"""Build this rank's part of the model without ever holding the whole of it (DESIGN §4.1).
+"""Build this rank's part of the model without ever holding the whole of it (docs/design.md §4).
 
 Order (torchtitan's): split into pipeline stages -> build each stage on the meta device ->
 materialise only this rank's tensor-parallel shards, each drawn from its parameter's own

@@ -1,6 +1,6 @@
 """Autograd-aware tensor-parallel collectives and the communication ledger.
 
-Every collective in boostlr goes through this module (DESIGN.md §3) so that
+Every collective in boostlr goes through this module (docs/design.md §3) so that
 
 * each primitive is a conjugate pair: whatever the forward does to the activation,
   the backward does the adjoint to its gradient (all-reduce <-> identity,

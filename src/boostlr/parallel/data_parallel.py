@@ -1,4 +1,4 @@
-"""Data parallelism over the mesh's ``dp`` dim with FSDP2 (``fully_shard``), DESIGN §4.1.
+"""Data parallelism over the mesh's ``dp`` dim with FSDP2 (``fully_shard``), docs/design.md §4.
 
 ``fsdp`` reshards parameters after forward (ZeRO-3-like); ``ddp`` keeps them gathered from
 forward to backward and only reduce-scatters gradients (ZeRO-2-like: torch's DDP refuses

@@ -48,7 +48,7 @@ def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
 
     Ranks are laid out tp-fastest, so a tensor-parallel group sits on one node's GPUs. Every
     group gets ``parallel.timeout_s``: left alone, torch gives subgroups a 30-minute timeout
-    whatever the default group has (DESIGN §4.2).
+    whatever the default group has (docs/design.md §5).
     """
     timeout = timedelta(seconds=p.timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"

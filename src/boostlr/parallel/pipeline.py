@@ -1,4 +1,4 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining`` (DESIGN.md §4, §4.1).
+"""Pipeline parallelism with ``torch.distributed.pipelining`` (docs/design.md §4).
 
 Layers are split evenly into stages: the embedding on the first, final norm + head on the
 last (the loss is the vocab-parallel cross-entropy of the last stage's logits). A stage
