@@ -83,3 +83,14 @@ def test_override_syntax_errors() -> None:
         parse_overrides(["--train.steps"])
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_overrides(["steps"])
+
+
+def test_a_removed_key_names_its_removal_and_old_runs_still_load(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'parallel.pair_exchange' was removed.*delete the key"):
+        build_config(overrides=[("parallel.pair_exchange", "true")])
+    old_run = tmp_path / "config.toml"
+    old_run.write_text("[parallel]\ntp = 2\npair_exchange = true\n")
+    with pytest.raises(ConfigError, match="was removed"):
+        build_config(old_run)  # a config the user wrote
+    assert build_config(old_run, saved=True).parallel.tp == 2  # a run's own: --resume
+    assert from_dict({"parallel": {"pair_exchange": False, "tp": 2}}).parallel.tp == 2

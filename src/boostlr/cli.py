@@ -208,7 +208,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool
         saved = run_dir / CONFIG_FILE
         if not saved.is_file():
             raise BoostlrError(f"--resume: {saved} not found: is {run_dir} a boostlr run?")
-        cfg = build_config(saved, pairs)
+        cfg = build_config(saved, pairs, saved=True)
         if args.config is not None:
             raise BoostlrError(
                 "--resume takes the run's own config.toml: drop the config file argument"

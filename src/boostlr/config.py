@@ -213,11 +213,6 @@ class ParallelConfig:
     # CPU: bind each local rank to its own slice of the cores (gloo's threads included) so
     # ranks do not preempt the peers they wait for; off leaves scheduling to the OS.
     pin_cores: bool = True
-    # gloo (CPU) groups of two ranks: all-reduce, all-gather and reduce-scatter as one direct
-    # exchange with the peer (same bytes, bitwise the same sums; 0.9-3.2x gloo's ring per call
-    # on the VMs measured, benchmarks/RESULTS.md); off: gloo's own collectives. No effect on
-    # NCCL or larger groups.
-    pair_exchange: bool = True
 
     @property
     def world_size(self) -> int:
@@ -303,7 +298,20 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {annotation}")  # pragma: no cover
 
 
-def set_value(cfg: RunConfig, dotted: str, value: Any) -> None:
+# Keys that existed once: a config that sets one gets an error naming the removal; a run's
+# own saved config (resume, checkpoints) drops it, so old runs continue.
+REMOVED_KEYS = {
+    "parallel.pair_exchange": (
+        "was removed: tensor-parallel collectives use the backend's own (gloo/NCCL); delete the key"
+    ),
+}
+
+
+def set_value(cfg: RunConfig, dotted: str, value: Any, saved: bool = False) -> None:
+    if dotted in REMOVED_KEYS:
+        if saved:
+            return
+        raise ConfigError(f"config key '{dotted}' {REMOVED_KEYS[dotted]}")
     section, _, name = dotted.partition(".")
     if section not in SECTIONS or not name:
         raise ConfigError(
@@ -318,13 +326,16 @@ def set_value(cfg: RunConfig, dotted: str, value: Any) -> None:
     setattr(target, name, _coerce(value, types_[name], dotted))
 
 
-def apply_mapping(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
-    """Apply a nested ``{section: {key: value}}`` mapping (a parsed TOML file)."""
+def apply_mapping(cfg: RunConfig, data: dict[str, Any], source: str, saved: bool = False) -> None:
+    """Apply a nested ``{section: {key: value}}`` mapping (a parsed TOML file).
+
+    ``saved``: the mapping is a run's own config, written by an earlier release.
+    """
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: top-level key '{section}' must be a [section] table")
         for name, value in values.items():
-            set_value(cfg, f"{section}.{name}", value)
+            set_value(cfg, f"{section}.{name}", value, saved)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -361,12 +372,17 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def build_config(
-    file: str | Path | None = None, overrides: list[tuple[str, str]] | None = None
+    file: str | Path | None = None,
+    overrides: list[tuple[str, str]] | None = None,
+    saved: bool = False,
 ) -> RunConfig:
-    """Defaults, then the TOML file, then overrides; resolved and validated."""
+    """Defaults, then the TOML file, then overrides; resolved and validated.
+
+    ``saved``: the file is a run's own ``config.toml`` (``--resume``).
+    """
     cfg = RunConfig()
     if file is not None:
-        apply_mapping(cfg, load_toml(file), str(file))
+        apply_mapping(cfg, load_toml(file), str(file), saved)
     for key, value in overrides or []:
         set_value(cfg, key, value)
     resolve_model(cfg.model)
@@ -652,7 +668,7 @@ def dump_toml(cfg: RunConfig) -> str:
 
 def from_dict(data: dict[str, Any]) -> RunConfig:
     cfg = RunConfig()
-    apply_mapping(cfg, data, "saved config")
+    apply_mapping(cfg, data, "saved config", saved=True)
     return cfg
 
 

@@ -9,8 +9,7 @@
   size, divided by the ops it dispatches (counted by :mod:`boostlr.analysis.census`): Python,
   dispatch, autograd recording and the backward node;
 * causal attention (forward + backward) as a fraction of the fitted GEMM roofline;
-* between two real processes on this machine: all-reduce latency and bandwidth over gloo by
-  the trainer's transport (``parallel.pair_exchange``: one direct exchange per call), what a
+* between two real processes on this machine: all-reduce latency and bandwidth over gloo, what a
   DTensor parameter costs per micro-batch and per optimizer step beyond a plain one (a
   2-rank mesh, as a TP-2 run's), and the host work of one of boostlr's collectives beyond
   the transport (its autograd function, ledger record and profiler label).
@@ -292,16 +291,13 @@ def _two_process_measurements(rank: int, world: int, port: int, threads: int, qu
         world_size=world,
         timeout=timedelta(seconds=60),
     )
-    from boostlr.parallel.collectives import CommLedger, GroupComm, transport_all_reduce_
-
     try:
-        comm = GroupComm(dist.group.WORLD, "tp", CommLedger())  # the trainer's transport
         results = []
         for nbytes in ALLREDUCE_BYTES:
             x = torch.ones(nbytes // 4)
 
             def op(x=x) -> None:
-                transport_all_reduce_(x, comm)
+                dist.all_reduce(x)
 
             dist.barrier()
             # A time budget would let each rank pick its own count: mismatched collectives.
@@ -416,7 +412,6 @@ def measure_collective_host(clock: Clock) -> float:
         GroupComm,
         copy_to_group,
         reduce_from_group,
-        transport_all_reduce_,
     )
 
     comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
@@ -432,8 +427,8 @@ def measure_collective_host(clock: Clock) -> float:
         y = x * 1.0
         y.backward(seed)
         a, b = y.detach().clone(), y.detach().clone()
-        transport_all_reduce_(a, comm)
-        transport_all_reduce_(b, comm)
+        dist.all_reduce(a, group=comm.group)
+        dist.all_reduce(b, group=comm.group)
 
     reps = []
     for i in range(COLLECTIVE_CALLS):

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from boostlr.parallel.collectives import is_collective_label
+from boostlr.parallel.ledger import OPS
 
 GEMMS = ("aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.addmm.default")
 INDEXING = (
@@ -92,6 +92,11 @@ def tensor_operands(func, args: tuple, kwargs: dict) -> list[tuple[bool, list[to
     ]
 
 
+def _is_collective_label(label: str) -> bool:
+    parts = label.split(".", 2)
+    return len(parts) == 3 and parts[1] in (*OPS, "wait")
+
+
 class OpCensus(TorchDispatchMode):
     """Ops and bytes by ``(phase, kind)``; set ``phase`` between forward and backward."""
 
@@ -106,8 +111,10 @@ class OpCensus(TorchDispatchMode):
         self._scopes: list[bool] = []
 
     def _track_scope(self, name: str, args: tuple) -> None:
+        """Ops inside a collective's profiler scope (``{group}.{op}.{tag}``) are its own work
+        (flat views of the buffers), as gloo's sums inside its C++ are."""
         if name.startswith("profiler._record_function_enter"):
-            self._scopes.append(isinstance(args[0], str) and is_collective_label(args[0]))
+            self._scopes.append(isinstance(args[0], str) and _is_collective_label(args[0]))
         elif name.startswith("profiler._record_function_exit") and self._scopes:
             self._scopes.pop()
 

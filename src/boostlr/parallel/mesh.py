@@ -57,10 +57,7 @@ def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
         device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS, backend_override=override
     )
     ledger = CommLedger()
-    comms = {
-        name: GroupComm(mesh.get_group(name), name, ledger, pair_exchange=p.pair_exchange)
-        for name in MESH_DIMS
-    }
+    comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
     ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
     return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group)
 
