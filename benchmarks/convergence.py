@@ -38,7 +38,7 @@ from boostlr.config import RunConfig, build_config
 from boostlr.data import prepare_dataset
 from boostlr.models.counting import count_params, flops_per_token
 from boostlr.plot import load_run, plot_runs
-from boostlr.train import loop
+from boostlr.train import run as trainer
 from boostlr.train.checkpoint import newest_checkpoint
 
 ARCHS = ("full", "cola", "svd", "lax")
@@ -108,7 +108,7 @@ def train_once(cfg: RunConfig, run_dir: Path) -> float:
     if done is not None and done.step >= cfg.train.steps:
         return 0.0
     started = time.perf_counter()
-    loop.train(cfg, run_dir, resume=done is not None, console=False)
+    trainer.train(cfg, run_dir, resume=done is not None, console=False)
     return time.perf_counter() - started
 
 

@@ -76,11 +76,12 @@ def _rank(args: argparse.Namespace) -> dict[str, dict]:
         comm.ledger.reset()
         step(label)
         results[label]["ledger"] = comm.ledger.step_metrics()
+    comm.ledger.take_seconds()  # the warm-up's time is not measured
     for _ in range(args.rounds):
         for label in models:
             for _ in range(args.steps):
                 results[label]["times"].append(step(label))
-                results[label]["comm"].append(comm.ledger.seconds().get("tp", 0.0))
+                results[label]["comm"].append(comm.ledger.take_seconds().get("tp", 0.0))
     for label, (model, _) in models.items():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loss = model(inputs, targets)

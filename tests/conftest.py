@@ -31,7 +31,7 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sharded_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny CoLA run trained by the real trainer at TP 2, so its checkpoints are sharded."""
     from boostlr.config import build_config
-    from boostlr.train import loop
+    from boostlr.train import run as trainer
 
     overrides = {
         "model.preset": "tiny",
@@ -49,5 +49,5 @@ def sharded_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
         "parallel.device": "cpu",
     }
     run = tmp_path_factory.mktemp("sharded") / "run"
-    loop.train(build_config(overrides=list(overrides.items())), run, console=False)
+    trainer.train(build_config(overrides=list(overrides.items())), run, console=False)
     return run

@@ -64,7 +64,7 @@ def compare_one_step(rank: int, world: int, cfg: RunConfig) -> dict:
     b = cfg.train.batch_size
     dp_rank = model.comms.dp.rank
     mine = slice(dp_rank * b, (dp_rank + 1) * b)
-    loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
+    loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
 
     ref = build_model(cfg.model, seed=cfg.train.seed)
     ref_loss = ref(inputs, targets)
@@ -129,14 +129,14 @@ def follow_curve(rank: int, world: int, cfg: RunConfig, steps: int = 5) -> dict:
         exact = float64_grads(ref, inputs, targets)
 
         opt.zero_grad()
-        loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
+        loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
         layout64, single64, worst_name = 0.0, 0.0, ""
         for name, p in model.named_parameters():
             err = relative_error(full_grad(p), exact[name])
             if err > layout64:
                 layout64, worst_name = err, name
             single64 = max(single64, relative_error(ref_params[name].grad, exact[name]))
-        norm = model.clip_gradients(cfg.train.grad_clip)
+        norm = float(model.clip_gradients(cfg.train.grad_clip))
         opt.step()
         report["losses"].append(loss)
         report["ref_losses"].append(ref_loss.item())

@@ -16,7 +16,7 @@ from test_train import read_rows, tiny_run_config, train_rows
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from boostlr.config import build_config
-from boostlr.train import loop
+from boostlr.train import run as trainer
 from boostlr.train.checkpoint import list_checkpoints, newest_verified_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def two_rank_config(data: Path, **extra: object):
 @pytest.fixture(scope="module")
 def uninterrupted(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    loop.train(two_rank_config(small_dataset), run, console=False)
+    trainer.train(two_rank_config(small_dataset), run, console=False)
     return train_rows(run)
 
 
@@ -55,11 +55,11 @@ def test_sigkill_during_a_save_keeps_a_valid_checkpoint(
     run = tmp_path / "run"
     monkeypatch.setenv("BOOSTLR_CRASH_AT", point)
     with pytest.raises(ChildFailedError):
-        loop.train(two_rank_config(small_dataset), run, console=False)
+        trainer.train(two_rank_config(small_dataset), run, console=False)
     monkeypatch.delenv("BOOSTLR_CRASH_AT")
     newest, corrupted = newest_verified_checkpoint(run / "checkpoints")
     assert newest is not None and newest.step == survivor and not corrupted
-    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    trainer.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert train_rows(run) == uninterrupted
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [2, 4, 6]
     assert not list((run / "checkpoints").glob(".tmp-*"))
@@ -71,7 +71,7 @@ def test_a_killed_rank_restarts_and_async_saves_end_bitwise_equal(
     run = tmp_path / "run"
     monkeypatch.setenv("BOOSTLR_CRASH_AT", "step:5@1")  # after step 5; newest save is step 4
     cfg = two_rank_config(small_dataset, **{"parallel.max_restarts": 1, "train.async_ckpt": True})
-    result = loop.train(cfg, run, console=False)
+    result = trainer.train(cfg, run, console=False)
     rows = read_rows(run)
     # Step 4's async save may still have been in flight when rank 1 died: then step 2.
     restarts = [r for r in rows if r.get("event") == "restart"]

@@ -15,7 +15,7 @@ import pytest
 from test_train import tiny_run_config, train_rows
 
 from boostlr.config import build_config
-from boostlr.train import loop
+from boostlr.train import run as trainer
 from boostlr.train.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def resume_at(source: Path, target: Path, overrides: dict[str, object]) -> dict[
     shutil.copytree(source, target)
     shutil.rmtree(target / "checkpoints" / "step_4")
     cfg = build_config(target / "config.toml", [(k, str(v)) for k, v in overrides.items()])
-    loop.train(cfg, target, resume=True, console=False)
+    trainer.train(cfg, target, resume=True, console=False)
     return train_rows(target)
 
 
@@ -65,7 +65,7 @@ def test_pp2_tp2_checkpoint_resumes_at_every_other_layout(
     small_dataset: Path, tmp_path: Path
 ) -> None:
     source = tmp_path / "pp2_tp2"
-    loop.train(run_config(small_dataset, **layout(2, 1, 2)), source, console=False)
+    trainer.train(run_config(small_dataset, **layout(2, 1, 2)), source, console=False)
     assert list_checkpoints(source / "checkpoints")[-1].meta["layout"]["pp"] == 2
     expected = train_rows(source)
     for name, (pp, dp, tp) in {
@@ -82,11 +82,11 @@ def test_vanilla_checkpoint_resumes_under_btp_and_one_process_under_dp2(
     small_dataset: Path, tmp_path: Path
 ) -> None:
     vanilla = tmp_path / "vanilla"
-    loop.train(run_config(small_dataset, **layout(1, 1, 2, "vanilla")), vanilla, console=False)
+    trainer.train(run_config(small_dataset, **layout(1, 1, 2, "vanilla")), vanilla, console=False)
     got = resume_at(vanilla, tmp_path / "btp", layout(1, 1, 2, "btp"))
     assert_continues(train_rows(vanilla), got, "vanilla -> btp")
 
     single = tmp_path / "single"
-    loop.train(run_config(small_dataset, **layout(1, 1, 1)), single, console=False)
+    trainer.train(run_config(small_dataset, **layout(1, 1, 1)), single, console=False)
     got = resume_at(single, tmp_path / "dp2", layout(1, 2, 1))
     assert_continues(train_rows(single), got, "one process -> dp2")

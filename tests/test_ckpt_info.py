@@ -17,14 +17,14 @@ from test_train import tiny_run_config
 from boostlr.cli import main
 from boostlr.config import build_config
 from boostlr.models.counting import count_params
-from boostlr.train import loop
+from boostlr.train import run as trainer
 
 
 @pytest.fixture(scope="module")
 def run_dir(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-process run with checkpoints at steps 3 and 6."""
     run = tmp_path_factory.mktemp("ckpt_info") / "run"
-    loop.train(tiny_run_config(small_dataset), run, console=False)
+    trainer.train(tiny_run_config(small_dataset), run, console=False)
     return run
 
 

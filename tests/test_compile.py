@@ -111,12 +111,12 @@ def test_trainer_compiles_and_logs_like_eager(small_dataset: Path, tmp_path: Pat
     """``--train.compile true`` end to end: the same losses as eager, a loss row per step."""
     from test_train import train_rows
 
-    from boostlr.train import loop
+    from boostlr.train import run as trainer
 
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    loop.train(tiny_run_config(small_dataset, **{"train.steps": 3}), eager, console=False)
+    trainer.train(tiny_run_config(small_dataset, **{"train.steps": 3}), eager, console=False)
     cfg = tiny_run_config(small_dataset, **{"train.steps": 3, "train.compile": True})
-    loop.train(cfg, compiled, console=False)
+    trainer.train(cfg, compiled, console=False)
     a, b = train_rows(eager), train_rows(compiled)
     assert a.keys() == b.keys()
     _assert_close(list(b.values()), list(a.values()))

@@ -17,7 +17,7 @@ from boostlr.data import TokenDataset, prepare_dataset
 from boostlr.evaluate import evaluate_dataset, run_eval, windows
 from boostlr.export import export_checkpoint
 from boostlr.models.llama import build_model
-from boostlr.train import loop
+from boostlr.train import run as trainer
 
 DOCS = ["Hello wörld, ∑ café — naïve 日本語 text.", "Zweites Dokument: Grüße, €5 and 🙂 too."]
 
@@ -36,7 +36,7 @@ def _tiny_run(data: Path, run: Path) -> float:
             ("parallel.device", "cpu"),
         ]
     )
-    result = loop.train(cfg, run, console=False)
+    result = trainer.train(cfg, run, console=False)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     last = [r["val_loss"] for r in rows if "val_loss" in r][-1]
     assert last == pytest.approx(result.val_loss)

@@ -12,7 +12,7 @@ from boostlr.cli import main
 from boostlr.config import build_config, dump_toml
 from boostlr.models.counting import flops_per_token
 from boostlr.plot import ema, label, load_run
-from boostlr.train import loop
+from boostlr.train import run as trainer
 
 image = pytest.importorskip("matplotlib.image")
 
@@ -55,7 +55,7 @@ def test_plot_one_real_run(
             "train.ckpt_every": 100,
         },
     )
-    loop.train(cfg, run, console=False)
+    trainer.train(cfg, run, console=False)
     out = tmp_path / "one.png"
     assert main(["plot", str(run), "--out", str(out)]) == 0
     _assert_png(out)

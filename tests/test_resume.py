@@ -15,7 +15,7 @@ from test_train import read_rows, tiny_run_config
 from boostlr.config import build_config
 from boostlr.errors import CheckpointError
 from boostlr.fsutil import sha256_file
-from boostlr.train import loop
+from boostlr.train import run as trainer
 from boostlr.train.checkpoint import META_FILE, list_checkpoints
 from boostlr.train.optim import lr_at
 
@@ -23,7 +23,7 @@ from boostlr.train.optim import lr_at
 @pytest.fixture(scope="module")
 def finished_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("guards") / "run"
-    loop.train(tiny_run_config(small_dataset, **{"train.steps": 4, "train.ckpt_every": 2}), run)
+    trainer.train(tiny_run_config(small_dataset, **{"train.steps": 4, "train.ckpt_every": 2}), run)
     return run
 
 
@@ -47,7 +47,7 @@ def test_resume_refuses_changes_to_data_order_or_optimizer(
     cfg = build_config(finished_run / "config.toml", [(key, value), ("train.steps", "8")])
     before = sorted(p.name for p in (finished_run / "checkpoints").iterdir())
     with pytest.raises(CheckpointError, match=key.split(".")[1]) as err:
-        loop.train(cfg, finished_run, resume=True, console=False)
+        trainer.train(cfg, finished_run, resume=True, console=False)
     assert "drop the overrides" in str(err.value)
     assert sorted(p.name for p in (finished_run / "checkpoints").iterdir()) == before
 
@@ -57,19 +57,19 @@ def test_resume_refuses_another_data_path(finished_run: Path, tmp_path: Path) ->
     shutil.copytree(build_config(finished_run / "config.toml").data.path, other)
     cfg = build_config(finished_run / "config.toml", [("data.path", str(other))])
     with pytest.raises(CheckpointError, match="data.path"):
-        loop.train(cfg, finished_run, resume=True, console=False)
+        trainer.train(cfg, finished_run, resume=True, console=False)
 
 
 def test_same_global_batch_with_another_split_is_accepted(
     small_dataset: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    loop.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=False)
+    trainer.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=False)
     cfg = build_config(
         run / "config.toml",
         [("train.batch_size", "2"), ("train.grad_accum", "2"), ("train.steps", "3")],
     )
-    assert loop.train(cfg, run, resume=True, console=False).step == 3
+    assert trainer.train(cfg, run, resume=True, console=False).step == 3
 
 
 def test_extending_steps_keeps_the_learning_rate_continuous(
@@ -77,10 +77,10 @@ def test_extending_steps_keeps_the_learning_rate_continuous(
 ) -> None:
     run = tmp_path / "run"
     first = tiny_run_config(small_dataset, **{"train.steps": 6, "train.ckpt_every": 3})
-    loop.train(first, run, console=False)
+    trainer.train(first, run, console=False)
     shutil.rmtree(run / "checkpoints" / "step_6")
     longer = build_config(run / "config.toml", [("train.steps", "12")])
-    loop.train(longer, run, resume=True, console=False)
+    trainer.train(longer, run, resume=True, console=False)
     lrs = {r["step"]: r["lr"] for r in read_rows(run) if "lr" in r}
     # Step 4 (optimizer step index 3) is where the extended schedule takes over.
     assert lrs[4] == lr_at(3, first.train)  # no jump at the resume point

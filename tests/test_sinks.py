@@ -14,6 +14,7 @@ from test_train import tiny_run_config
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
 from boostlr.train import loop, sinks
+from boostlr.train import run as trainer
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -45,7 +46,7 @@ def _events(run: Path) -> event_accumulator.EventAccumulator:
 
 def test_tensorboard_holds_every_logged_scalar(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    loop.train(_cfg(small_dataset, ("train.tensorboard", "true")), run, console=False)
+    trainer.train(_cfg(small_dataset, ("train.tensorboard", "true")), run, console=False)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     acc = _events(run)
     tags = set(acc.Tags()["scalars"])
@@ -67,13 +68,13 @@ def test_tensorboard_holds_every_logged_scalar(small_dataset: Path, tmp_path: Pa
 
 def test_tensorboard_resume_drops_the_redone_steps(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    loop.train(_cfg(small_dataset, ("train.tensorboard", "true")), run, console=False)
+    trainer.train(_cfg(small_dataset, ("train.tensorboard", "true")), run, console=False)
     # Resume from step 2 (the step-4 checkpoint removed): steps 3-4 are logged again.
     import shutil
 
     shutil.rmtree(run / "checkpoints" / "step_4")
     cfg = build_config(run / "config.toml")
-    loop.train(cfg, run, resume=True, console=False)
+    trainer.train(cfg, run, resume=True, console=False)
     steps = [e.step for e in _events(run).Scalars("loss")]
     assert steps == [1, 2, 3, 4]
 
@@ -128,7 +129,7 @@ def test_wandb_sink_logs_every_row_and_keeps_its_id(
     monkeypatch.setattr(sinks, "new_run_id", lambda: "abc123")
     monkeypatch.delenv("WANDB_DIR", raising=False)
     run = tmp_path / "run"
-    loop.train(_cfg(small_dataset, ("train.wandb", "proj")), run, console=False)
+    trainer.train(_cfg(small_dataset, ("train.wandb", "proj")), run, console=False)
     (kwargs,) = calls["init"]
     assert kwargs["project"] == "proj" and kwargs["id"] == "abc123" and kwargs["name"] == "run"
     assert kwargs["dir"] == str(run) and kwargs["settings"] == {"silent": True}  # console=False
@@ -210,9 +211,9 @@ def _offline_run(
 
         monkeypatch.setattr(loop, "save", broken_save)
         with pytest.raises(RuntimeError, match="disk full"):
-            loop.train(cfg, run, console=False)
+            trainer.train(cfg, run, console=False)
     else:
-        loop.train(cfg, run, console=False)
+        trainer.train(cfg, run, console=False)
     run_id = (run / "wandb_id").read_text().strip()
     (path,) = (wb / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
     assert not (run / "wandb").exists()  # WANDB_DIR wins over the run directory

@@ -13,7 +13,7 @@ from boostlr.config import RunConfig, build_config
 from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
 from boostlr.parallel import engine
 from boostlr.train import checkpoint as ckpt_module
-from boostlr.train import loop
+from boostlr.train import run as trainer
 from boostlr.train.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
 
 
@@ -46,7 +46,7 @@ def train_rows(run_dir: Path) -> dict[int, float]:
 
 def test_run_directory_contract(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    result = loop.train(tiny_run_config(small_dataset), run, console=False)
+    result = trainer.train(tiny_run_config(small_dataset), run, console=False)
     assert (run / "config.toml").is_file() and (run / "tokenizer.json").is_file()
     rows = read_rows(run)
     steps = [r for r in rows if "loss" in r]
@@ -63,16 +63,16 @@ def test_run_directory_contract(small_dataset: Path, tmp_path: Path) -> None:
 def test_resume_is_bitwise_identical(small_dataset: Path, tmp_path: Path) -> None:
     cfg = tiny_run_config(small_dataset, **{"train.grad_accum": 2})
     straight = tmp_path / "straight"
-    loop.train(cfg, straight, console=False)
+    trainer.train(cfg, straight, console=False)
 
     interrupted = tmp_path / "interrupted"
-    loop.train(
+    trainer.train(
         tiny_run_config(small_dataset, **{"train.grad_accum": 2}), interrupted, console=False
     )
     # A run killed between step 3 and 6: the step-6 checkpoint never happened.
     shutil.rmtree(interrupted / "checkpoints" / "step_6")
     resumed_cfg = build_config(interrupted / "config.toml")
-    loop.train(resumed_cfg, interrupted, resume=True, console=False)
+    trainer.train(resumed_cfg, interrupted, resume=True, console=False)
 
     expected, got = train_rows(straight), train_rows(interrupted)
     assert list(got) == [1, 2, 3, 4, 5, 6]  # rows after the checkpoint were re-logged once
@@ -101,7 +101,7 @@ def test_interrupted_save_keeps_previous_checkpoint(
 
     monkeypatch.setattr(ckpt_module, "save_file", crash_on_second_save)
     with pytest.raises(OSError, match="simulated"):
-        loop.train(cfg, run, console=False)
+        trainer.train(cfg, run, console=False)
     monkeypatch.undo()
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3]
     assert not list((run / "checkpoints").glob(".tmp-*"))
@@ -111,13 +111,13 @@ def test_interrupted_save_keeps_previous_checkpoint(
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half")
     assert newest_checkpoint(run / "checkpoints").step == 3
-    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    trainer.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3, 6]
 
 
 def test_corrupted_checkpoint_is_rejected(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    loop.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
+    trainer.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
     model_file = run / "checkpoints" / "step_3" / "__0_0.distcp"
     data = bytearray(model_file.read_bytes())
     data[-1] ^= 0xFF  # same size, different content
@@ -129,10 +129,11 @@ def test_corrupted_checkpoint_is_rejected(small_dataset: Path, tmp_path: Path) -
 def test_divergence_stops_and_keeps_last_good_checkpoint(
     small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_build = engine.build_model
+    real_build = engine.build_stages
 
     def poisoned_build(*args, **kwargs):
-        model = real_build(*args, **kwargs)
+        stages = real_build(*args, **kwargs)
+        model = stages[-1].model
         real_norm = model.norm.forward  # the final norm feeds the loss on every path
         count = {"n": 0}
 
@@ -145,12 +146,12 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(
             return out
 
         model.norm.forward = final_norm
-        return model
+        return stages
 
-    monkeypatch.setattr(engine, "build_model", poisoned_build)
+    monkeypatch.setattr(engine, "build_stages", poisoned_build)
     run = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match="step 5 is not finite") as info:
-        loop.train(tiny_run_config(small_dataset), run, console=False)
+        trainer.train(tiny_run_config(small_dataset), run, console=False)
     assert "step_3" in str(info.value)
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [3]
 
@@ -159,24 +160,24 @@ def test_run_dir_guards(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = tiny_run_config(small_dataset, **{"train.steps": 3})
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        loop.train(cfg, run, resume=True, console=False)
-    loop.train(cfg, run, console=False)
+        trainer.train(cfg, run, resume=True, console=False)
+    trainer.train(cfg, run, console=False)
     with pytest.raises(ConfigError, match="already holds a run"):
-        loop.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
+        trainer.train(tiny_run_config(small_dataset, **{"train.steps": 3}), run, console=False)
     other = tiny_run_config(small_dataset, **{"train.steps": 3, "model.rank": 8})
     with pytest.raises(CheckpointError, match="model config differs"):
-        loop.train(other, run, resume=True, console=False)
+        trainer.train(other, run, resume=True, console=False)
 
 
 def test_bfloat16_autocast_trains(small_dataset: Path, tmp_path: Path) -> None:
     cfg = tiny_run_config(small_dataset, **{"train.dtype": "bfloat16", "train.steps": 3})
-    result = loop.train(cfg, tmp_path / "bf16", console=False)
+    result = trainer.train(cfg, tmp_path / "bf16", console=False)
     assert torch.isfinite(torch.tensor(result.loss))
 
 
 def test_vocab_too_small_is_rejected(small_dataset: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="smaller than the dataset's tokenizer"):
-        loop.train(
+        trainer.train(
             tiny_run_config(small_dataset, **{"model.vocab_size": 100}),
             tmp_path / "r",
             console=False,
@@ -188,13 +189,13 @@ def test_resume_skips_a_corrupted_newest_checkpoint(
     small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
-    loop.train(tiny_run_config(small_dataset), run, console=False)
+    trainer.train(tiny_run_config(small_dataset), run, console=False)
     before = train_rows(run)
     model_file = run / "checkpoints" / "step_6" / "__0_0.distcp"
     data = bytearray(model_file.read_bytes())
     data[-1] ^= 0xFF  # same size: only the checksum can tell
     model_file.write_bytes(bytes(data))
-    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    trainer.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert "corrupted checkpoint set aside" in capsys.readouterr().err
     assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
     assert open_checkpoint(run / "checkpoints" / "step_6").step == 6  # rewritten, valid again
@@ -204,7 +205,7 @@ def test_resume_skips_a_corrupted_newest_checkpoint(
 def test_resume_after_a_half_written_metrics_row(small_dataset: Path, tmp_path: Path) -> None:
     """A crash in the middle of a metrics write must not stop the resume."""
     run = tmp_path / "run"
-    loop.train(tiny_run_config(small_dataset), run, console=False)
+    trainer.train(tiny_run_config(small_dataset), run, console=False)
     before = train_rows(run)
     shutil.rmtree(run / "checkpoints" / "step_6")  # killed after step 5's row, mid step 6's
     metrics = run / "metrics.jsonl"
@@ -212,7 +213,7 @@ def test_resume_after_a_half_written_metrics_row(small_dataset: Path, tmp_path: 
     metrics.write_text("".join(f"{line}\n" for line in rows))
     with open(metrics, "a", encoding="utf-8") as fh:
         fh.write('{"step": 6, "loss": 4.')
-    loop.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    trainer.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert train_rows(run) == before  # steps 4-6 re-done from step_3, bitwise the same
     assert [r["step"] for r in read_rows(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
@@ -241,7 +242,7 @@ def test_metrics_have_time_breakdown_memory_and_mfu(
     """One process: zero comm time, compute = step, RSS peak; MFU only with a known peak."""
     monkeypatch.setenv("BOOSTLR_HARDWARE", str(tmp_path / "no-profiles"))
     run = tmp_path / "run"
-    loop.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=True)
+    trainer.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=True)
     rows = [r for r in read_rows(run) if "loss" in r]
     check_time_breakdown(rows)
     for r in rows:
@@ -262,7 +263,7 @@ def test_metrics_have_time_breakdown_memory_and_mfu(
     (profiles / "local.toml").write_text(local)
     monkeypatch.setenv("BOOSTLR_HARDWARE", str(profiles))
     run = tmp_path / "run_mfu"
-    loop.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=True)
+    trainer.train(tiny_run_config(small_dataset, **{"train.steps": 2}), run, console=True)
     rows = [r for r in read_rows(run) if "loss" in r]
     for r in rows:
         # The profile names no thread count (1 assumed): the peak scales to this process's.
@@ -273,7 +274,7 @@ def test_metrics_have_time_breakdown_memory_and_mfu(
 def test_profile_steps_write_a_labelled_trace(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = tiny_run_config(small_dataset, **{"train.steps": 3, "train.profile_steps": "2:3"})
-    loop.train(cfg, run, console=False)
+    trainer.train(cfg, run, console=False)
     trace = run / "trace_rank0_steps2-3.json"
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}

@@ -16,7 +16,7 @@ from boostlr.analysis.comm import tp_comm_volume
 from boostlr.cli import main
 from boostlr.config import build_config
 from boostlr.export import export_checkpoint
-from boostlr.train import loop
+from boostlr.train import run as trainer
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,12 @@ def test_tp2_resume_is_bitwise_and_metrics_match_the_formula(
 ) -> None:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     profiled = {"train.profile_steps": "2:2"}  # observes only: the losses stay bitwise
-    loop.train(tp_config(small_dataset, 2, **profiled), straight, console=False)
-    loop.train(tp_config(small_dataset, 2), interrupted, console=False)
+    trainer.train(tp_config(small_dataset, 2, **profiled), straight, console=False)
+    trainer.train(tp_config(small_dataset, 2), interrupted, console=False)
     shutil.rmtree(interrupted / "checkpoints" / "step_6")
-    loop.train(build_config(interrupted / "config.toml"), interrupted, resume=True, console=False)
+    trainer.train(
+        build_config(interrupted / "config.toml"), interrupted, resume=True, console=False
+    )
     expected, got = train_rows(straight), train_rows(interrupted)
     for step in (4, 5, 6):
         assert got[step] == expected[step], step
@@ -64,7 +66,7 @@ def test_tp_checkpoint_exports_like_a_single_device_run(
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     for run, tp in ((one, 1), (two, 2)):
         cfg = tp_config(small_dataset, tp, **{"train.steps": 3, "parallel.tp_strategy": "btp"})
-        loop.train(cfg, run, console=False)
+        trainer.train(cfg, run, console=False)
         export_checkpoint(run, tmp_path / f"export_{tp}")
     a = load_file(tmp_path / "export_1" / "model.safetensors")
     b = load_file(tmp_path / "export_2" / "model.safetensors")
@@ -157,9 +159,9 @@ def test_dp2_consumes_the_dp1_global_batch_and_resumes_bitwise(
 ) -> None:
     """``boostlr train`` at dp 2 (global_batch 8 = batch 2 x accum 2 x dp 2) against dp 1."""
     one, two = tmp_path / "dp1", tmp_path / "dp2"
-    loop.train(tiny_run_config(small_dataset, **{"train.grad_accum": 2}), one, console=False)
+    trainer.train(tiny_run_config(small_dataset, **{"train.grad_accum": 2}), one, console=False)
     dp2 = {"parallel.dp": 2, "train.batch_size": 2, "train.global_batch": 8}
-    loop.train(tiny_run_config(small_dataset, **dp2), two, console=False)
+    trainer.train(tiny_run_config(small_dataset, **dp2), two, console=False)
     cfg = build_config(two / "config.toml")
     assert cfg.train.grad_accum == 2  # derived from global_batch
     single, data_parallel = train_rows(one), train_rows(two)
@@ -178,14 +180,14 @@ def test_dp2_consumes_the_dp1_global_batch_and_resumes_bitwise(
     ckpt = two / "checkpoints" / "step_6"
     assert json.loads((ckpt / "meta.json").read_text())["sharded"] is True
     shutil.rmtree(ckpt)  # resume from step 3's sharded checkpoint: bitwise the same rows
-    loop.train(build_config(two / "config.toml"), two, resume=True, console=False)
+    trainer.train(build_config(two / "config.toml"), two, resume=True, console=False)
     assert train_rows(two) == data_parallel
 
 
 def test_pp2_metrics_time_the_pipeline_waits(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "pp2"
     cfg = tiny_run_config(small_dataset, **{"parallel.pp": 2, "train.steps": 2})
-    loop.train(cfg, run, console=False)
+    trainer.train(cfg, run, console=False)
     rows = [r for r in metric_rows(run) if "loss" in r]
     check_time_breakdown(rows)
     assert all(r["comm_pp_time_s"] > 0 and r["comm_pp_bytes"] > 0 for r in rows)

@@ -179,7 +179,7 @@ def _restart_with_allocator(cfg) -> None:
     """
     from boostlr.parallel.launch import under_launcher
     from boostlr.train.host_alloc import allocator_env, preloaded_allocator
-    from boostlr.train.loop import resolve_device
+    from boostlr.train.run import resolve_device
 
     if os.environ.get(_REEXEC_FLAG) or under_launcher() or preloaded_allocator():
         return
@@ -198,7 +198,7 @@ _REEXEC_FLAG = "BOOSTLR_ALLOCATOR_PRELOADED"
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool) -> None:
     from boostlr.config import build_config, parse_overrides
-    from boostlr.train.loop import CONFIG_FILE, train
+    from boostlr.train.run import CONFIG_FILE, train
 
     pairs = parse_overrides(overrides)
     if args.resume:

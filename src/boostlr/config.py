@@ -503,9 +503,6 @@ def validate(cfg: RunConfig) -> None:
     profile_range(t.profile_steps)
     if d.default_vocab < 260 or d.default_vocab > 2**32 - 1:
         raise ConfigError(f"data.default_vocab must be in [260, 2^32), got {d.default_vocab}")
-    from boostlr.train.sinks import require_packages
-
-    require_packages(t)
 
 
 def profile_range(spec: str) -> tuple[int, int] | None:

@@ -273,7 +273,7 @@ def run_eval(
             f"data.seq_len {cfg.data.seq_len} must be in [1, model.max_seq_len "
             f"{cfg.model.max_seq_len}]: pass another --data.seq_len"
         )
-    from boostlr.train.loop import resolve_device
+    from boostlr.train.run import resolve_device
 
     device = resolve_device(cfg.parallel.device)
     model, tokenizer = load_pretrained(path, device=device)

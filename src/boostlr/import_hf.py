@@ -230,7 +230,7 @@ def build_imported_model(cfg: RunConfig, state: dict[str, torch.Tensor]) -> Llam
 
 def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = None) -> ImportResult:
     """Write the run directory ``out`` (atomically: a temp dir renamed into place)."""
-    from boostlr.train.loop import CONFIG_FILE
+    from boostlr.train.run import CONFIG_FILE
     from boostlr.train.state import TOKENIZER_FILE, layout_of
 
     src, out = Path(src), Path(out)

@@ -39,16 +39,7 @@ def build_stages(
     memory report.
     """
     p = cfg.parallel
-    ctx = TPContext(
-        comms.tp,
-        cfg.model,
-        norm=p.norm,
-        grouping=p.grouping,
-        act_ckpt=p.act_ckpt,
-        compile=cfg.train.compile,
-        tp_overlap=p.tp_overlap,
-        fused_loss=cfg.train.fused_loss,
-    )
+    ctx = TPContext.from_config(comms.tp, cfg)
     stages = []
     for stage in stage_ids(p, pp_rank):
         layers = stage_layers(cfg.model.n_layers, p.num_stages, stage)

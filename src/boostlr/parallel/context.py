@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from boostlr.config import ModelConfig
+from boostlr.config import ModelConfig, RunConfig
 from boostlr.parallel.collectives import GroupComm
 
 
@@ -39,6 +39,21 @@ class TPContext:
     tp_overlap: bool = True
     # The LM head GEMM and the cross-entropy as one step (:mod:`boostlr.parallel.head_loss`).
     fused_loss: bool = True
+
+    @classmethod
+    def from_config(cls, comm: GroupComm, cfg: RunConfig) -> TPContext:
+        """The context a run's config asks for, on tensor-parallel group ``comm``."""
+        p = cfg.parallel
+        return cls(
+            comm,
+            cfg.model,
+            norm=p.norm,
+            grouping=p.grouping,
+            act_ckpt=p.act_ckpt,
+            compile=cfg.train.compile,
+            tp_overlap=p.tp_overlap,
+            fused_loss=cfg.train.fused_loss,
+        )
 
     @property
     def overlap(self) -> bool:

@@ -17,9 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
-from boostlr.models.llama import build_model
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.context import TPContext
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -50,27 +48,17 @@ class ParallelModel:
         device: torch.device,
         mark_phase: Callable[[str], None] = lambda phase: None,
     ) -> ParallelModel:
-        """Distributed when a default process group exists, else the single-device model."""
-        p = cfg.parallel
-        if not dist.is_initialized():
+        """Distributed when a default process group exists, else the single-device model.
+
+        Every layout, one process included, builds on the meta device and materialises each
+        parameter from its own seeded generator, so initial values never depend on layout.
+        """
+        if dist.is_initialized():
+            comms = build_mesh(cfg.parallel, device)
+        else:
             comms = single_process_comms()
-            ctx = TPContext(
-                comms.tp,
-                cfg.model,
-                p.norm,
-                p.grouping,
-                p.act_ckpt,
-                cfg.train.compile,
-                p.tp_overlap,
-                cfg.train.fused_loss,
-            )
-            full = build_model(cfg.model, seed=cfg.train.seed, device=device)
-            stages = [TensorParallelModel(full, p.strategy_for(cfg.model.arch), ctx)]
-            mark_phase("materialise")
-            return cls(cfg, comms, stages, device)
-        comms = build_mesh(p, device)
-        pp_rank = comms.pp.rank
-        return cls(cfg, comms, build_stages(cfg, comms, device, pp_rank, mark_phase), device)
+        stages = build_stages(cfg, comms, device, comms.pp.rank, mark_phase)
+        return cls(cfg, comms, stages, device)
 
     # ------------------------------------------------------------------ parameters
 
@@ -103,20 +91,28 @@ class ParallelModel:
         (loss / self.accum).backward()
         return loss.detach()
 
-    def global_mean(self, local: Tensor) -> float:
-        """Mean over data-parallel ranks of a loss that lives on the last pipeline stage."""
-        if not dist.is_initialized():
-            return float(local)
+    def global_mean(self, local: Tensor) -> Tensor:
+        """Mean over data-parallel ranks of a loss that lives on the last pipeline stage.
+
+        A 0-d tensor on the device: reading it is a host sync, left to the log steps.
+        """
         value = local.detach().float().reshape(1).clone()
+        if not dist.is_initialized():
+            return value.reshape(())
         if not self.has_last_stage:
             value.zero_()
         # Each (dp, tp) coordinate of the last stage holds a copy; the tp copies are equal.
         value /= self.comms.dp.size * self.comms.tp.size
         dist.all_reduce(value)
-        return float(value)
+        return value.reshape(())
 
-    def clip_gradients(self, max_norm: float) -> float:
-        """Clip by the L2 norm of the whole model's gradient (over tp, dp and pp)."""
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        """Clip by the L2 norm of the whole model's gradient (over tp, dp and pp).
+
+        Returns the norm as a 0-d device tensor and never asks whether it is finite (a host
+        sync): a non-finite norm makes non-finite gradients, which the loop's check on the
+        next log step or save reports before anything is written.
+        """
         params = [p for p in self.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         if grads:
@@ -129,9 +125,9 @@ class ParallelModel:
             square = norm.float().pow(2).reshape(1)
             dist.all_reduce(square, group=self.comms.pp.group)
             norm = square.sqrt().reshape(())
-        if max_norm > 0 and torch.isfinite(norm):
+        if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+        return norm
 
     # ------------------------------------------------------------------ evaluation
 
@@ -145,7 +141,8 @@ class ParallelModel:
         the result is the same on every rank.
         """
         self.train(False)
-        total = torch.zeros(2, dtype=torch.float64)  # [sum of window losses, windows]
+        # [sum of window losses, windows], on the device: one host read at the end.
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with autocast:
@@ -153,7 +150,8 @@ class ParallelModel:
                     loss = evaluate_pipeline(self.stages, self.cfg, self.comms.pp, inputs, targets)
                 else:
                     loss = self.stages[0](inputs, targets)
-            total += torch.tensor([float(loss) * len(inputs), len(inputs)], dtype=torch.float64)
+            total[0] += loss.double() * len(inputs)
+            total[1] += len(inputs)
         self.train(True)
         if self.comms.dp.size > 1:
             dist.all_reduce(total, group=self.comms.dp.group)

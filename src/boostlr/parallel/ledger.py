@@ -61,9 +61,9 @@ class CommLedger:
         return rec
 
     def reset(self) -> None:
+        """Start a new step's records. The time blocked keeps adding up until
+        :meth:`take_seconds` (on CUDA its events are read only then: a host sync)."""
         self.records.clear()
-        self._seconds.clear()
-        self._events.clear()
 
     @contextmanager
     def timed(self, group: str, device: torch.device) -> Iterator[None]:
@@ -93,13 +93,15 @@ class CommLedger:
     def _add_seconds(self, group: str, seconds: float) -> None:
         self._seconds[group] = self._seconds.get(group, 0.0) + seconds
 
-    def seconds(self) -> dict[str, float]:
-        """Seconds blocked in collectives since :meth:`reset`, per group name."""
+    def take_seconds(self) -> dict[str, float]:
+        """Seconds blocked in collectives since the last call, per group name; starts anew."""
         for group, start, end in self._events:
             end.synchronize()
             self._add_seconds(group, start.elapsed_time(end) / 1e3)
         self._events.clear()
-        return dict(self._seconds)
+        seconds = dict(self._seconds)
+        self._seconds.clear()
+        return seconds
 
     @property
     def forward_phase(self) -> Phase:

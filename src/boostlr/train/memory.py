@@ -152,3 +152,25 @@ class MemoryPhases:
         """The largest peak of any phase so far (the per-phase resets hide it from the OS)."""
         marked = max((r["peak_mb"] for r in self.rows.values()), default=0.0)
         return max(marked, device_peak_mb(self.device))
+
+
+def memory_row(
+    params: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    phases: MemoryPhases,
+) -> dict[str, float]:
+    """A metrics row's memory: this rank's tensors, its peak and its floor (tensors plus the
+    start-up runtime), in MiB."""
+    held = held_tensor_mb(params, optimizer)
+    phases.note_held(held)
+    peak = max(
+        device_peak_mb(device) if device.type == "cuda" else peak_rss_ever_mb(), phases.peak_mb
+    )
+    return {**held, "peak_mem_mb": peak, "mem_floor_mb": sum(held.values()) + phases.runtime_mb}
+
+
+def peak_rss_ever_mb() -> float:
+    """The process's high-water resident set since it started (``getrusage``)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / MB if sys.platform == "darwin" else rss / 1024

@@ -44,6 +44,7 @@ class RunState:
     writer: CheckpointWriter
     rank: int
     phases: MemoryPhases | None = None
+    restart_attempt: int = 0  # how often the launcher restarted this run's ranks
     start_step: int = 0
     lr_anchor: Anchor | None = None
 

@@ -1,0 +1,274 @@
+"""``train()``: check the input, start or join the ranks, build each rank's state, run it.
+
+Three ways in, one path through: called directly (one process, or ``parallel.nproc`` ranks
+started here through torch's elastic launcher) or inside ranks that torchrun/srun started.
+Everything that can be wrong with the input is checked before any rank starts or the run
+directory is touched; the run directory is then checked and written once (by this process,
+or by rank 0 under an external launcher), and every rank builds its part of the model and
+enters the step loop of :mod:`boostlr.train.loop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
+from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
+from boostlr.errors import EXIT_BAD_INPUT, EXIT_FAILED, BoostlrError, ConfigError, TrainingDiverged
+from boostlr.fsutil import write_text_atomic
+from boostlr.parallel.compile import check_toolchain
+from boostlr.parallel.engine import ParallelModel
+from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
+from boostlr.train.checkpoint import Checkpoint, CheckpointWriter, read_checkpoint
+from boostlr.train.host_alloc import allocator_env, cache_host_memory
+from boostlr.train.loop import METRICS_FILE, run_steps
+from boostlr.train.memory import MemoryPhases
+from boostlr.train.metrics import truncate_after
+from boostlr.train.optim import build_optimizer, init_optimizer_state
+from boostlr.train.resume import check_resume_config, pick_checkpoint
+from boostlr.train.sinks import require_packages
+from boostlr.train.state import TOKENIZER_FILE, RunState, restore
+
+CONFIG_FILE = "config.toml"
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    loss: float
+    val_loss: float | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device cuda requested but no CUDA GPU is visible: use cpu")
+    return torch.device(name)
+
+
+def open_datasets(cfg: RunConfig) -> tuple[TokenDataset, TokenDataset]:
+    """Load (or, for the default corpus, prepare once) the train and val splits."""
+    path = cfg.data.path or default_dataset(vocab_size=cfg.data.default_vocab)
+    return TokenDataset(path, "train"), TokenDataset(path, "val")
+
+
+def bind_vocab(cfg: RunConfig, dataset: TokenDataset) -> None:
+    """Take the vocabulary from the tokenizer unless the config sets a (large enough) one."""
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = dataset.vocab_size
+    elif cfg.model.vocab_size < dataset.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
+            f"({dataset.vocab_size}): leave model.vocab_size at 0 to take it from the data"
+        )
+
+
+def restart_attempt() -> int:
+    """How many times the launcher has restarted this run's ranks (0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = True) -> TrainResult:
+    """Run (or continue) training into ``run_dir``; see README for the run-directory contract."""
+    require_packages(cfg.train)  # here, not in validate(): plan needs no tensorboard
+    device = resolve_device(cfg.parallel.device)
+    if cfg.train.compile:
+        check_toolchain(device)
+    datasets = open_datasets(cfg)
+    bind_vocab(cfg, datasets[0])
+    adopt_slurm_env()
+    if under_launcher():  # torchrun/srun started the ranks: join them
+        return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
+    ckpt = prepare_run_dir(cfg, run_dir, resume, datasets[0])
+    if cfg.parallel.world_size == 1 and cfg.parallel.max_restarts == 0:
+        return _train_rank(cfg, run_dir, ckpt, console, device, datasets)
+    results = launch(
+        cfg.parallel.world_size,
+        _rank_entry,
+        to_dict(cfg),
+        str(run_dir),
+        ckpt,
+        console,
+        max_restarts=cfg.parallel.max_restarts,
+        env=allocator_env(cfg.train.cpu_alloc_cache, device.type),
+    )
+    return results[0]
+
+
+def prepare_run_dir(
+    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset, required: bool = True
+) -> str | None:
+    """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
+
+    A new run refuses a directory that holds one; ``--resume`` (or a restart) picks and
+    verifies the newest complete checkpoint and checks the config is compatible with it.
+    """
+    ckpt: Checkpoint | None = None
+    if resume:
+        ckpt = pick_checkpoint(run_dir, required)
+        if ckpt is not None:
+            check_resume_config(ckpt, cfg)
+    elif (run_dir / CONFIG_FILE).exists():
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run: pass --resume to continue it "
+            "or choose a new --run-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / TOKENIZER_FILE).exists():
+        shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
+    write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
+    return str(ckpt.path) if ckpt else None
+
+
+def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
+    """One rank started by :func:`launch` (module level: it is pickled to the child)."""
+    cfg = from_dict(cfg_dict)
+    device = resolve_device(cfg.parallel.device)
+    return _rank_main(cfg, Path(run_dir), console, device, ckpt_path=ckpt_path, exit_on_error=True)
+
+
+def _rank_main(
+    cfg: RunConfig,
+    run_dir: Path,
+    console: bool,
+    device: torch.device,
+    *,
+    ckpt_path: str | None = None,
+    resume: bool | None = None,
+    datasets: tuple[TokenDataset, TokenDataset] | None = None,
+    exit_on_error: bool = False,
+) -> TrainResult:
+    """Join the process group, find the checkpoint (rank 0, once), train, leave the group.
+
+    ``resume`` is given under an external launcher: rank 0 then checks and writes the run
+    directory. After an automatic restart the ranks look for the newest checkpoint
+    themselves. Ranks this process started report their own errors and exit with its code.
+    """
+    # DTensor logs a performance note for every checkpointed 2-D (dp x tp) shard.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    distributed = cfg.parallel.world_size > 1 or under_launcher()
+    if distributed:
+        p = cfg.parallel
+        init_distributed(device, p.world_size, p.timeout_s, p.pin_cores)
+    rank = dist.get_rank() if distributed else 0
+    try:
+        restarted = restart_attempt() > 0
+        if resume is not None or restarted:
+
+            def find() -> str | None:
+                dataset = datasets[0] if datasets else open_datasets(cfg)[0]
+                again = bool(resume) or restarted
+                return prepare_run_dir(cfg, run_dir, again, dataset, required=not restarted)
+
+            ckpt_path = _on_rank0(find) if distributed else find()
+        return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
+    except (BoostlrError, TrainingDiverged, Exception) as exc:
+        if not exit_on_error:
+            raise
+        _report(rank, exc)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+def _report(rank: int, exc: BaseException) -> None:
+    """One line per rank (a traceback only for a crash of its own), then its exit code."""
+    if isinstance(exc, BoostlrError):
+        print(f"boostlr: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if isinstance(exc, TrainingDiverged):
+        print(f"boostlr: rank {rank}: training diverged: {exc}", file=sys.stderr, flush=True)
+    elif lost_peer(exc):  # the launcher names the rank that died and why
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"boostlr: rank {rank}: lost a peer rank ({first})", file=sys.stderr, flush=True)
+    else:
+        trace = "".join(traceback.format_exception(exc))
+        print(f"boostlr: rank {rank} crashed:\n{trace}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_FAILED)
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank went away (not this rank's own fault)."""
+    return isinstance(exc, dist.DistNetworkError) or any(s in str(exc) for s in _PEER_GONE)
+
+
+def _on_rank0(task: Callable[[], str | None]) -> str | None:
+    """Run ``task`` on rank 0 and give every rank its result (or its one-line error)."""
+    answer: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [task(), None]
+        except BoostlrError as exc:
+            answer = [None, str(exc)]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise BoostlrError(answer[1])
+    return answer[0]
+
+
+def memory_phase_file(run_dir: Path, rank: int, enabled: bool) -> Path | None:
+    """``<run>/memory/rank<N>.json`` when ``train.memory_phases`` is on."""
+    if not enabled:
+        return None
+    (run_dir / "memory").mkdir(parents=True, exist_ok=True)
+    return run_dir / "memory" / f"rank{rank}.json"
+
+
+def _train_rank(
+    cfg: RunConfig,
+    run_dir: Path,
+    ckpt_path: str | None,
+    console: bool,
+    device: torch.device,
+    datasets: tuple[TokenDataset, TokenDataset] | None = None,
+) -> TrainResult:
+    """Build this rank's part of the model, restore a checkpoint, run the loop."""
+    torch.manual_seed(cfg.train.seed)
+    allocator = "device"
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        allocator = cache_host_memory() if cfg.train.cpu_alloc_cache else "glibc"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    phases = MemoryPhases(
+        device, memory_phase_file(run_dir, rank, cfg.train.memory_phases), allocator
+    )
+    model = ParallelModel.build(cfg, device, phases.mark)
+    train_ds, val_ds = datasets or open_datasets(cfg)
+    dp, t, seq = model.comms.dp, cfg.train, cfg.data.seq_len
+    loader = BatchLoader(
+        train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, grad_accum=t.grad_accum
+    )
+    # The validation set is layout-free: the first val_batches x global batch windows of the
+    # split, in batch_size batches dealt round-robin to the data-parallel ranks.
+    per_global = t.grad_accum * dp.size
+    val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global)
+    val_data = val_data[dp.rank :: dp.size]
+    # Fused AdamW on this rank's parameters: one kernel per step, DTensor shards included.
+    optimizer = build_optimizer(model.parameters(), t)
+    init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
+    phases.mark("optimizer state")
+    writer = CheckpointWriter(
+        run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
+    )
+    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases)
+    state.restart_attempt = restart_attempt()
+    if ckpt_path is not None:
+        # Verified before any rank started (or by rank 0); read it as it is.
+        restore(state, read_checkpoint(Path(ckpt_path)))
+    if rank == 0 and (ckpt_path is not None or state.restart_attempt > 0):
+        truncate_after(run_dir / METRICS_FILE, state.start_step)
+    loss, val_loss = run_steps(state, console)
+    return TrainResult(run_dir, t.steps, loss, val_loss)
