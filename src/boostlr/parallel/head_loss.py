@@ -27,9 +27,8 @@ from torch import Tensor
 from boostlr.parallel.collectives import GroupComm, all_reduce_
 from boostlr.parallel.vocab import vocab_range
 
-#: fp32 logits per chunk: few chunks (each is ~15 kernel launches), a bounded fp32 temporary
-#: under autocast. 64 MiB is 524 rows of a 32k vocabulary. On the 2-core CPU the step time
-#: did not depend on the chunk size from 32 to 2048 rows of that vocabulary.
+#: fp32 logits per chunk: few chunks (each is a handful of kernel launches), a bounded fp32
+#: temporary under autocast (64 MiB is 524 rows of a 32k vocabulary).
 CHUNK_BYTES = 64 * 2**20
 
 

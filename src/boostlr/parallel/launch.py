@@ -142,7 +142,7 @@ def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
 
     After a restart the agent hands out the same store, still holding the dead attempt's
     keys: a rank that reads a peer's address before the peer has re-published it would
-    connect to a dead process (measured: gloo's "connection refused" on every restart in
+    connect to a dead process (seen as gloo's "connection refused" on every restart in
     which one rank starts late). ``None`` outside an elastic agent (env:// as usual).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -51,8 +51,8 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
         return None
     peak = profile.flops(dtype)
     if device.type == "cpu":
-        # calibrate measures with ``threads`` torch threads; this process may use more
-        # (measured: 2-thread training on 2 cores reported MFU 0.98 against a 1-thread peak).
+        # calibrate measures with ``threads`` torch threads; this process may use more, and a
+        # one-thread peak would then overstate MFU.
         measured_threads = int(profile.extra.get("threads", 1) or 1)
         peak *= torch.get_num_threads() / measured_threads
     return peak
