@@ -9,8 +9,7 @@ Everything else a block runs is counted from the code, forward and backward: the
 element-wise kernels move (norms, RoPE, σ, products, residual adds, the collectives' copies,
 BTP's concatenations, gradient accumulation: :func:`block_elementwise`) and how many ops torch
 dispatches besides the GEMMs (:func:`block_ops`: each costs a fixed CPU time, a launch on a
-GPU). ``tests/test_costmodel.py`` checks both against a census of what torch really
-dispatches (``tests/op_census.py``) for every strategy and arch.
+GPU), both checked against a census of what torch dispatches (``analysis/census.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 from boostlr.config import ModelConfig
-from boostlr.models.llama import linear_shapes
+from boostlr.models.shapes import linear_shapes
 from boostlr.parallel.head_loss import chunk_rows
 
 Record = TypeVar("Record")
 
 FP32 = 4
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
-from boostlr.models.llama import linear_shapes
+from boostlr.models.shapes import linear_shapes
 
 
 @dataclass(frozen=True)

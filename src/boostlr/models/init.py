@@ -14,6 +14,7 @@ import torch
 
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import cola_std
+from boostlr.models.shapes import linear_shapes
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -30,7 +31,6 @@ def _linear_of(name: str) -> str:
 
 def initial_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The single-device initial value of parameter ``name`` (full shape, fp32, CPU)."""
-    from boostlr.models.llama import linear_shapes  # llama imports this module's users
 
     def normal(std: float) -> torch.Tensor:
         gen = torch.Generator().manual_seed(parameter_seed(seed, name))

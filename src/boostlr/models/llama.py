@@ -21,24 +21,9 @@ from boostlr.models.init import initial_value
 from boostlr.models.lowrank import BlockLinear, DenseLinear, LaxLinear, LowRankLinear
 from boostlr.models.norm import RMSNorm
 from boostlr.models.params import local
+from boostlr.models.shapes import ATTN_LINEARS, MLP_LINEARS, linear_shapes  # noqa: F401
 
-ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 Latents = dict[str, torch.Tensor]
-
-
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """``(d_in, d_out)`` of each of the seven block linears."""
-    d, kv, f = cfg.dim, cfg.kv_dim, cfg.ffn_dim
-    return {
-        "q_proj": (d, d),
-        "k_proj": (d, kv),
-        "v_proj": (d, kv),
-        "o_proj": (d, d),
-        "gate_proj": (d, f),
-        "up_proj": (d, f),
-        "down_proj": (f, d),
-    }
 
 
 def make_linear(

@@ -1,0 +1,95 @@
+"""The layout's rules, checked: no import circle between boostlr's modules, and no module
+so long that it does more than one job (the step loop reads in one sitting)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "src" / "boostlr"
+MAX_LINES = 500
+LOOP_MAX_LINES = 200
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """boostlr modules ``path`` imports, at any depth (a function-level import too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from pkg import sub`` imports the submodule when there is one.
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name.startswith("boostlr"):
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph = {name: imports_of(path, known) - {name} for name, path in known.items()}
+    # A module inside a package imports that package's __init__ first: not a dependency of
+    # the package on it, so edges from a package to its own submodules stay as written.
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    assert "boostlr.train.loop" in graph and graph["boostlr.train.loop"]  # the graph is real
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_no_module_over_500_lines_and_a_short_step_loop() -> None:
+    long = {
+        name: n
+        for name, p in modules().items()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+    loop = len((PACKAGE / "train" / "loop.py").read_text().splitlines())
+    assert loop <= LOOP_MAX_LINES, loop
