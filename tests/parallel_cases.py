@@ -179,3 +179,34 @@ def _stage_modules(part, dp: int, tp: int, tp_rank: int) -> list[int]:
     ]
     root = sum(padded(n, p) for n, p in named.items() if not n.startswith("layers."))
     return [*blocks, root]
+
+
+def compare_bf16_step(rank: int, world: int, cfg: RunConfig) -> dict:
+    """One bf16 step (FSDP mixed precision under autocast) against one device's autocast."""
+    device = torch.device("cpu")
+    model = ParallelModel.build(cfg, device)
+    inputs, targets = global_batch(cfg)
+    b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
+    mine = slice(dp_rank * b, (dp_rank + 1) * b)
+    model.comms.ledger.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
+    ref = build_model(cfg.model, seed=cfg.train.seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(inputs, targets)
+    ref_loss.backward()
+    ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+    grad_dtypes = {str(full_grad(p).dtype) for _, p in model.named_parameters()}
+    errors = [
+        relative_error(full_grad(p).float(), ref_grads[name])
+        for name, p in model.named_parameters()
+    ]
+    return {
+        "loss": loss,
+        "ref_loss": ref_loss.item(),
+        "worst_grad_error": max(errors),
+        "grad_dtypes": grad_dtypes,
+        "param_dtypes": {str(p.dtype) for _, p in model.named_parameters()},
+        "metrics": model.step_metrics(),
+        "fsdp_modules": fsdp_module_elements(model),
+    }

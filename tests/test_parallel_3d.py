@@ -121,3 +121,28 @@ def test_pp2_dp2_tp2_follows_the_single_device_curve() -> None:
         held = sum(sum(r[label]["local_numel"].values()) for r in per_rank)
         biggest = max(sum(r[label]["local_numel"].values()) for r in per_rank)
         assert held > 0 and biggest * 4 < held, (label, held, biggest)
+
+
+def _bf16_cases(rank: int, world: int, cases) -> dict:
+    from parallel_cases import compare_bf16_step
+
+    return {label: compare_bf16_step(rank, world, cfg) for label, cfg in cases}
+
+
+def test_bf16_fsdp_gathers_bf16_and_matches_one_device_autocast() -> None:
+    """train.dtype bfloat16: FSDP all-gathers bf16 parameters (half the bytes, counted by the
+    ledger and the cost model), reduces fp32 gradients into fp32 master weights, and the loss
+    and gradients match one device under autocast within bf16 rounding."""
+    bf16 = {"train.dtype": "bfloat16"}
+    cases = [
+        ("dp4 cola", layout_config("cola", "btp", 1, 4, 1, **bf16)),
+        ("dp2tp2 cola btp", layout_config("cola", "btp", 1, 2, 2, **bf16)),
+    ]
+    for reports in run_distributed(_bf16_cases, 4, cases, timeout_s=600):
+        for label, cfg in cases:
+            r, dp = reports[label], cfg.parallel.dp
+            assert abs(r["loss"] - r["ref_loss"]) <= 2e-2 * abs(r["ref_loss"]), (label, r)
+            assert r["worst_grad_error"] <= 5e-2, (label, r["worst_grad_error"])
+            assert r["param_dtypes"] == {"torch.float32"} == r["grad_dtypes"], (label, r)
+            expected = fsdp_bytes(r["fsdp_modules"], dp, 1, True, param_bytes=2)
+            assert r["metrics"]["comm_dp_bytes"] == expected, (label, r["metrics"], expected)

@@ -154,19 +154,27 @@ def pp_send_bytes(
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 
-def fsdp_bytes(module_shard_elements: list[int], dp: int, micro_batches: int, reshard: bool) -> int:
+def fsdp_bytes(
+    module_shard_elements: list[int],
+    dp: int,
+    micro_batches: int,
+    reshard: bool,
+    param_bytes: int = FP32,
+) -> int:
     """FSDP2 traffic of one rank per step without pipelining (payload = the full buffer).
 
     Each module (every block, then the root holding embedding/final norm/head) all-gathers
     its parameters in every forward, again in the backward when resharded after forward
     (``fsdp`` mode; boostlr asks it of the root too), and reduce-scatters its gradients after
     every backward. ``module_shard_elements[i]``: module i's padded local shard elements
-    (fp32, dim 0 padded to a multiple of dp).
+    (dim 0 padded to a multiple of dp). ``param_bytes``: the all-gathered dtype's size (2
+    under ``train.dtype bfloat16``'s mixed precision); gradients reduce in fp32.
     """
     if dp == 1:
         return 0
-    full = sum(n * dp * FP32 for n in module_shard_elements)
-    return micro_batches * (3 if reshard else 2) * full
+    full = sum(n * dp for n in module_shard_elements)
+    gathers = 2 if reshard else 1
+    return micro_batches * full * (gathers * param_bytes + FP32)
 
 
 def fsdp_pipeline_bytes(
@@ -175,6 +183,7 @@ def fsdp_pipeline_bytes(
     micro_batches: int,
     reshard: bool,
     pp_microbatches: int,
+    param_bytes: int = FP32,
 ) -> int:
     """FSDP2 traffic of one pipeline rank per step (payload = the full buffer).
 
@@ -187,6 +196,9 @@ def fsdp_pipeline_bytes(
     """
     if dp == 1:
         return 0
-    full = sum(n * dp * FP32 for n in module_shard_elements)
-    per_step = 3 * pp_microbatches if reshard else 2
+    full = sum(n * dp for n in module_shard_elements)
+    if reshard:
+        per_step = pp_microbatches * (2 * param_bytes + FP32)
+    else:
+        per_step = param_bytes + FP32
     return micro_batches * per_step * full

@@ -129,10 +129,12 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
         if p.pp > 1:
             pp_bytes += steps * pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a)
     params = rank_params(m, strategy, p, pp_rank, tp_rank)
+    gathered = act_size(cfg)  # bf16: FSDP's mixed precision gathers bf16 parameters
+    fsdp = p.dp_mode == "fsdp"
     if p.pp > 1:
-        dp = fsdp_pipeline_bytes(list(params.modules), p.dp, steps, p.dp_mode == "fsdp", mb)
+        dp = fsdp_pipeline_bytes(list(params.modules), p.dp, steps, fsdp, mb, gathered)
     else:
-        dp = fsdp_bytes(list(params.modules), p.dp, steps, p.dp_mode == "fsdp")
+        dp = fsdp_bytes(list(params.modules), p.dp, steps, fsdp, gathered)
     return {
         **{f"comm_tp_{k}": v for k, v in tp.items()},
         "comm_dp_bytes": dp,

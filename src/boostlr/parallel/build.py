@@ -56,7 +56,7 @@ def build_stages(
     mark_phase("materialise")
     if comms.dp.size > 1:
         for part in stages:
-            apply_data_parallel(part, comms, p.dp_mode)
+            apply_data_parallel(part, comms, p.dp_mode, cfg.train.dtype)
         mark_phase("FSDP wrap")
     return stages
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -111,12 +111,35 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         )
 
 
-def apply_data_parallel(part: TensorParallelModel, comms: MeshComms, mode: str) -> None:
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``train.dtype``.
+
+    bfloat16: parameters are all-gathered and computed in bf16 (half the bytes and half the
+    gathered memory), gradients reduced in fp32; the sharded fp32 parameters stay the master
+    weights the optimizer updates. The stage's outputs are fp32, as a pipeline boundary
+    expects. float32: FSDP's default, no casts.
+    """
+    if dtype != "bfloat16":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+
+
+def apply_data_parallel(
+    part: TensorParallelModel, comms: MeshComms, mode: str, dtype: str = "float32"
+) -> None:
     """``fully_shard`` each block, then the stage (embedding, final norm, head)."""
     reshard = mode == "fsdp"
     modules = [*part.model.layers.values(), part]
+    block_policy = mixed_precision(dtype)
+    # Only the stage's own outputs go back to fp32; blocks hand bf16 to each other.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=block_policy.param_dtype, reduce_dtype=block_policy.reduce_dtype
+    )
     for module in modules:
-        fully_shard(module, mesh=comms.dp_mesh, reshard_after_forward=reshard)
+        policy = mixed_precision(dtype) if module is part else block_policy
+        fully_shard(module, mesh=comms.dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     for module in modules:
         assert isinstance(module, FSDPModule)
         module.set_custom_all_gather(_RecordedAllGather(comms.dp))

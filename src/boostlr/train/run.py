@@ -24,7 +24,14 @@ import torch.distributed as dist
 
 from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
-from boostlr.errors import EXIT_BAD_INPUT, EXIT_FAILED, BoostlrError, ConfigError, TrainingDiverged
+from boostlr.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    BoostlrError,
+    ConfigError,
+    DataError,
+    TrainingDiverged,
+)
 from boostlr.fsutil import write_text_atomic
 from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.engine import ParallelModel
@@ -255,7 +262,16 @@ def _train_rank(
     # split, in batch_size batches dealt round-robin to the data-parallel ranks.
     per_global = t.grad_accum * dp.size
     val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global)
-    val_data = val_data[dp.rank :: dp.size]
+    # Every data-parallel rank evaluates the same number of batches: FSDP's gathers are
+    # collectives, so one extra batch on one rank would wait for the others forever.
+    usable = len(val_data) // dp.size * dp.size
+    if usable == 0:
+        raise DataError(
+            f"the validation split has {len(val_data)} batch(es) of {t.batch_size} x {seq} "
+            f"tokens, fewer than the {dp.size} data-parallel ranks: prepare more validation "
+            "data (--val-fraction), or lower --train.batch_size or --data.seq_len"
+        )
+    val_data = val_data[:usable][dp.rank :: dp.size]
     # Fused AdamW on this rank's parameters: one kernel per step, DTensor shards included.
     optimizer = build_optimizer(model.parameters(), t)
     init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
