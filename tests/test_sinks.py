@@ -87,12 +87,21 @@ def test_tensorboard_resume_drops_the_redone_steps(small_dataset: Path, tmp_path
     ],
 )
 def test_missing_logger_package_is_one_line_config_error(
-    monkeypatch: pytest.MonkeyPatch, key: str, value: str, module: str, message: str
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    key: str,
+    value: str,
+    module: str,
+    message: str,
 ) -> None:
+    """Checked when training starts, before any work; the config itself stays valid (so
+    ``boostlr plan`` of it needs no logger package)."""
     monkeypatch.setitem(sys.modules, module, None)  # makes ``import module`` fail
+    cfg = build_config(overrides=[(key, value)])
     with pytest.raises(ConfigError, match=message) as info:
-        build_config(overrides=[(key, value)])
+        trainer.train(cfg, tmp_path / "run", console=False)
     assert "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("wandb_step", [0, 3])
