@@ -68,7 +68,7 @@ from boostlr.analysis.memory import (
     rank_params,
     stage_modules,
 )
-from boostlr.analysis.prediction import Prediction, layout_of
+from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
 
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
@@ -417,7 +417,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     return Prediction(
         arch=m.arch,
         strategy=strategy,
-        layout=layout_of(cfg),
+        layout=planned_layout(cfg),
         step_time=step,
         compute=compute,
         comm=comm,

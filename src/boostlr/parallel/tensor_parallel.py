@@ -1,9 +1,9 @@
 """Turn a single-device model into its tensor-parallel form and back.
 
 :class:`TensorParallelModel` keeps the single-device module tree (same parameter names),
-replaces each parameter by this rank's shard, and runs the strategy's forward. The full
-model can always be reassembled (:meth:`full_state_dict`), which is what checkpoints,
-export and the equivalence tests use, so every layout reads and writes the same files.
+replaces each parameter by this rank's shard, and runs the strategy's forward. Parameters
+keep their single-device names and (as DTensors) their global shapes, so checkpoints are
+written and read by name at any layout.
 """
 
 from __future__ import annotations
@@ -128,13 +128,6 @@ class TensorParallelModel(nn.Module):
     def named_shards(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Single-device parameters (collective: every TP rank must call it)."""
-        return {
-            name: unshard_tensor(p, self.specs[name], self._full_size(name), self.ctx.comm)
-            for name, p in self.named_shards()
-        }
-
     def full_grads(self) -> dict[str, Tensor]:
         return {
             name: unshard_tensor(p.grad, self.specs[name], self._full_size(name), self.ctx.comm)
@@ -175,38 +168,11 @@ def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm)
     return float(total)
 
 
-def full_optimizer_state(model: TensorParallelModel, optimizer: torch.optim.Optimizer) -> dict:
-    """Optimizer state keyed by parameter name with full (single-device) shapes.
-
-    Collective on TP ranks. Layout-free, so a checkpoint does not depend on how many ranks
-    wrote it.
-    """
-    names = {id(p): n for n, p in model.named_shards()}
-    state = {}
-    for name, param in model.named_shards():  # same order on every rank: gathers line up
-        entries = optimizer.state.get(param, {})
-        state[name] = {
-            key: (
-                unshard_tensor(value, model.specs[name], model._full_size(name), model.ctx.comm)
-                if torch.is_tensor(value) and value.shape == param.shape
-                else (value.detach().clone() if torch.is_tensor(value) else value)
-            )
-            for key, value in entries.items()
-        }
-    groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [names[id(p)] for p in g["params"]],
-        }
-        for g in optimizer.param_groups
-    ]
-    return {"state": {k: v for k, v in state.items() if v}, "param_groups": groups}
-
-
 def load_full_optimizer_state(
     model: TensorParallelModel, optimizer: torch.optim.Optimizer, full: dict
 ) -> None:
-    """Slice a :func:`full_optimizer_state` for this rank and load it."""
+    """Slice an optimizer state keyed by parameter name, with full (single-device) shapes,
+    for this rank and load it (the single-file checkpoint's layout)."""
     names = {id(p): n for n, p in model.named_shards()}
     index: dict[str, int] = {}
     for group in optimizer.param_groups:
