@@ -24,6 +24,9 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _KEEP_ALL = 2**31 - 1
 
+# Set (to anything) to keep glibc with the mallopt cache even where jemalloc is installed.
+NO_PRELOAD_ENV = "BOOSTLR_NO_ALLOCATOR_PRELOAD"
+
 # Preferred first; the sonames Debian/Ubuntu and RHEL ship.
 ALLOCATOR_SONAMES = ("libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
@@ -68,7 +71,7 @@ def allocator_env(enabled: bool, device_type: str) -> dict[str, str]:
     Empty when not on CPU, when ``train.cpu_alloc_cache`` is off, or when no jemalloc or
     tcmalloc is installed (the ranks then fall back to the ``mallopt`` cache).
     """
-    if not enabled or device_type != "cpu":
+    if not enabled or device_type != "cpu" or os.environ.get(NO_PRELOAD_ENV):
         return {}
     library = preloaded_allocator() or find_allocator()
     if library is None:
