@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,7 @@ def run_layout(args: argparse.Namespace, layout: tuple[int, int, int], extra: li
     reports = {}
     for path in sorted((run_dir / "memory").glob("rank*.json")):
         reports[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text())
+    shutil.rmtree(run_dir.parent, ignore_errors=True)  # a 1B run's checkpoint is GBs
     return {"rc": done.returncode, "stderr": done.stderr[-2000:], "wall_s": wall, "ranks": reports}
 
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def run_once(variant: dict, args: argparse.Namespace) -> dict:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time_s" in r]
     timed = [r["step_time_s"] for r in steps if r["step"] > args.warmup]
+    shutil.rmtree(run_dir.parent, ignore_errors=True)
     return {"step_s": statistics.median(timed), "peak_mb": max(r["peak_mem_mb"] for r in steps)}
 
 
