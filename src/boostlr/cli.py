@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint as HF-named safetensors + config.json")
     e.add_argument("checkpoint", help="runs/<run>/checkpoints/step_N or a run directory")
     e.add_argument("--out", required=True, metavar="DIR")
+    e.add_argument(
+        "--merge-svd",
+        action="store_true",
+        help="arch svd only: multiply each B A into a dense weight and write a plain LLaMA "
+        "(no remote code); cola and lax have a nonlinearity between the factors",
+    )
 
     c = sub.add_parser("ckpt", help="inspect checkpoints")
     ckpt_sub = c.add_subparsers(dest="ckpt_command", required=True)
@@ -196,7 +202,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
 def _cmd_export(args: argparse.Namespace) -> None:
     from boostlr.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out))
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), merge_svd=args.merge_svd)
     print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -34,6 +34,7 @@ from boostlr.hf.files import (
     special_token_ids,
     write_tokenizer_files,
 )
+from boostlr.merge import check_mergeable, merged_config, merged_tensors
 from boostlr.models.llama import LlamaModel, build_model
 from boostlr.stream_safetensors import write_safetensors
 from boostlr.train.checkpoint import META_FILE, MODEL_FILE, load_model_state, open_checkpoint
@@ -109,9 +110,10 @@ def hf_config(
     }
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) -> Path:
     """Write an HF-style export of ``checkpoint`` (step or run dir) to ``out_dir``, atomically.
 
+    ``merge_svd`` writes an svd model as the dense LLaMA ``W = B A`` (:mod:`boostlr.merge`).
     An existing ``out_dir`` is replaced only if empty or an earlier export, so a typo cannot
     wipe unrelated files.
     """
@@ -119,6 +121,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
+    if merge_svd:
+        check_mergeable(cfg)
     tokenizer_src = ckpt.path / TOKENIZER_FILE
     if not tokenizer_src.is_file():
         raise CheckpointError(
@@ -126,8 +130,12 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
             "boostlr train"
         )
     source = ModelTensors(ckpt.path, ckpt.meta)
+    infos, read = source.infos, source.read
+    if merge_svd:
+        infos, read = merged_tensors(infos, read)
+        cfg = merged_config(cfg)
     # Our names by HF name; HF ties lm_head to embed_tokens itself.
-    names = {hf_name(k): k for k in source.infos if not (cfg.tie_embeddings and k == LM_HEAD)}
+    names = {hf_name(k): k for k in infos if not (cfg.tie_embeddings and k == LM_HEAD)}
     tokenizer = load_tokenizer(tokenizer_src)
     config = hf_config(cfg, **special_token_ids(tokenizer))
 
@@ -136,8 +144,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     try:
         write_safetensors(
             tmp / MODEL_FILE,
-            {hf: source.infos[ours] for hf, ours in names.items()},
-            lambda hf: source.read(names[hf]),
+            {hf: infos[ours] for hf, ours in names.items()},
+            lambda hf: read(names[hf]),
             metadata={"format": "pt"},
         )
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
