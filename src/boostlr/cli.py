@@ -139,7 +139,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Import config.json + *.safetensors + tokenizer.json as a boostlr run "
         "directory with one checkpoint (step 0). Takes --model.arch full|svd|cola, "
         "--model.rank R (or --model.rank_ratio), --model.mlp, and --data.* / --train.* / "
-        "--parallel.* for the training that continues it.",
+        "--parallel.* for the training that continues it. A boostlr low-rank export comes "
+        "back with its own model and factors (no --model.*).",
     )
     h.add_argument("source", help="Hugging Face model directory")
     h.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to write")
