@@ -70,7 +70,7 @@ def phase(enabled: bool, name: str, total_docs: int | None) -> Iterator[Meter]:
         return
     bar = Progress(
         TextColumn(f"[bold]{name:<9}"),
-        BarColumn(),
+        BarColumn(bar_width=20),
         MofNCompleteColumn(),
         TextColumn("docs"),
         _Throughput(),

@@ -94,6 +94,8 @@ def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_seq_len: int) -> 
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
+        # No token_type_ids: a causal LM takes none (transformers 4.x generate() refuses them).
+        "model_input_names": ["input_ids", "attention_mask"],
     }
     (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     (out / SPECIAL_TOKENS_MAP).write_text(json.dumps(names, indent=2) + "\n")
