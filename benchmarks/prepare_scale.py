@@ -6,8 +6,9 @@ Python's standard-library sources, each copy with its own renaming of common ide
 each) and as ``.jsonl`` files (one document per line). ``run`` runs ``boostlr prepare`` as a
 child process and samples the RSS of its whole process tree (the sum, every 0.2 s) for the
 peak; cores used is the tree's CPU time over wall time. ``raw`` times
-``Tokenizer.encode_batch`` alone, in this process, on the same documents (read beforehand,
-in batches of about 16 MB, only the encode calls timed): the ceiling prepare is held to.
+``Tokenizer.encode_batch`` (``--fast``: ``encode_batch_fast``, which prepare uses) alone, in
+this process, on the same documents (read beforehand, in batches of about 16 MB, only the
+encode calls timed): the ceiling prepare is held to.
 
     python benchmarks/prepare_scale.py make-corpus --out /tmp/corpus --mb 1024
     python benchmarks/prepare_scale.py raw --corpus /tmp/corpus --tokenizer tok.json
@@ -77,7 +78,7 @@ def _jsonl_docs(corpus: Path):
                 yield json.loads(line)["text"]
 
 
-def raw(corpus: Path, tokenizer: str) -> None:
+def raw(corpus: Path, tokenizer: str, fast: bool) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer)
@@ -86,11 +87,15 @@ def raw(corpus: Path, tokenizer: str) -> None:
     batch: list[str] = []
     size = 0
 
+    cpu_s = 0.0
+
     def flush() -> None:
-        nonlocal encode_s, n_tokens
-        t0 = time.perf_counter()
-        encodings = tok.encode_batch(batch, add_special_tokens=False)
+        nonlocal encode_s, cpu_s, n_tokens
+        t0, c0 = time.perf_counter(), _self_cpu()
+        encode = tok.encode_batch_fast if fast else tok.encode_batch
+        encodings = encode(batch, add_special_tokens=False)
         encode_s += time.perf_counter() - t0
+        cpu_s += _self_cpu() - c0
         n_tokens += sum(len(e.ids) for e in encodings)
 
     for doc in _jsonl_docs(corpus):
@@ -105,17 +110,23 @@ def raw(corpus: Path, tokenizer: str) -> None:
     print(
         json.dumps(
             {
-                "what": "raw encode_batch",
+                "what": "raw encode_batch_fast" if fast else "raw encode_batch",
                 "tokenizer": tokenizer,
                 "MB": n_bytes / MB,
                 "tokens": n_tokens,
                 "encode_s": encode_s,
                 "MB_per_s": n_bytes / MB / encode_s,
                 "tokens_per_s": n_tokens / encode_s,
-                "cores": os.cpu_count(),
+                "cores_used": cpu_s / encode_s,
+                "cpu_s_per_MB": cpu_s / (n_bytes / MB),
             }
         )
     )
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _tree(pid: int) -> list[int]:
@@ -189,6 +200,7 @@ def run(corpus: Path, kind: str, tokenizer: str, out: Path | None, keep: bool) -
                 "tokens_per_s": tokens / wall,
                 "peak_rss_MB": peak / MB,
                 "cores_used": cpu / wall,
+                "cpu_s_per_MB": cpu / (n_bytes / MB),
                 "returncode": proc.returncode,
             }
         )
@@ -206,6 +218,7 @@ def main() -> None:
     r = sub.add_parser("raw")
     r.add_argument("--corpus", type=Path, required=True)
     r.add_argument("--tokenizer", required=True)
+    r.add_argument("--fast", action="store_true", help="encode_batch_fast (no offsets)")
     p = sub.add_parser("run")
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--input", choices=("txt", "jsonl"), required=True)
@@ -216,7 +229,7 @@ def main() -> None:
     if args.cmd == "make-corpus":
         make_corpus(args.out, args.mb)
     elif args.cmd == "raw":
-        raw(args.corpus, args.tokenizer)
+        raw(args.corpus, args.tokenizer, args.fast)
     else:
         run(args.corpus, args.input, args.tokenizer, args.out, args.keep)
 
