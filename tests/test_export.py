@@ -10,10 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from export_cases import VOCAB, WORDS, write_tokenizer
+from export_cases import perturbed_model as _model
+from export_cases import random_tokens as _tokens
+from export_cases import run_config as _run_config
+from export_cases import write_checkpoint as _checkpoint
 from safetensors.torch import load_file, save_file
 
-from boostlr.config import RunConfig, build_config, model_config_from_dict, to_dict
-from boostlr.data.tokenizer import eos_id, train_bpe
+from boostlr.config import RunConfig, model_config_from_dict, to_dict
+from boostlr.data.tokenizer import eos_id
 from boostlr.errors import BoostlrError
 from boostlr.export import (
     export_checkpoint,
@@ -24,12 +29,11 @@ from boostlr.export import (
 )
 from boostlr.fsutil import sha256_file
 from boostlr.generate import generate
-from boostlr.models.llama import LlamaModel, build_model
+from boostlr.models.llama import build_model
 from boostlr.train.checkpoint import (
     FORMAT_VERSION,
     META_FILE,
     MODEL_FILE,
-    CheckpointWriter,
     load_model_state,
     open_checkpoint,
     read_checkpoint,
@@ -38,54 +42,10 @@ from boostlr.train.checkpoint import (
 # DCP warns whenever it saves or loads in one process, which is what these tests mean to do.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-VOCAB = 320
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
-
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    words = WORDS.split()
-    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(30)) for i in range(50)]
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_bpe(docs, VOCAB).save(str(path))
-    return path
-
-
-def _run_config(arch: str, *overrides: tuple[str, str]) -> RunConfig:
-    cfg = build_config(overrides=[("model.preset", "tiny"), ("model.arch", arch), *overrides])
-    cfg.model.vocab_size = VOCAB
-    return cfg
-
-
-def _model(cfg: RunConfig, seed: int = 0) -> LlamaModel:
-    """A tiny model with every parameter perturbed, so norms and zero-init LaX gates matter."""
-    model = build_model(cfg.model, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
-
-
-def _checkpoint(root: Path, cfg: RunConfig, model: LlamaModel, tokenizer_file: Path) -> Path:
-    """A checkpoint laid out as the trainer writes it (tied ``lm_head`` not stored)."""
-    state = model.state_dict()
-    if cfg.model.tie_embeddings:
-        state.pop("lm_head.weight")
-    writer = CheckpointWriter(root / "checkpoints", rank=0, group=None, keep=3)
-    writer.save(
-        5,
-        {"model": state},
-        trainer={"step": 5},
-        rng={"cpu": torch.get_rng_state()},
-        meta={"config": {"model": to_dict(cfg)["model"]}},
-        extra_files={"tokenizer.json": tokenizer_file},
-    )
-    return writer.wait()
-
-
-def _tokens(n: int = 24) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(3))
+    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 @pytest.mark.parametrize(
@@ -263,8 +223,12 @@ def test_streamed_export_equals_the_in_memory_export(
     assert (out / MODEL_FILE).read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
+        "configuration_boostlr.py",
         "model.safetensors",
+        "modeling_boostlr.py",
+        "special_tokens_map.json",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
 
 

@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint as HF-named safetensors + config.json")
     e.add_argument("checkpoint", help="runs/<run>/checkpoints/step_N or a run directory")
     e.add_argument("--out", required=True, metavar="DIR")
+    e.add_argument(
+        "--merge-svd",
+        action="store_true",
+        help="arch svd only: multiply each B A into a dense weight and write a plain LLaMA "
+        "(no remote code); cola and lax have a nonlinearity between the factors",
+    )
 
     c = sub.add_parser("ckpt", help="inspect checkpoints")
     ckpt_sub = c.add_subparsers(dest="ckpt_command", required=True)
@@ -134,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Import config.json + *.safetensors + tokenizer.json as a boostlr run "
         "directory with one checkpoint (step 0). Takes --model.arch full|svd|cola, "
         "--model.rank R (or --model.rank_ratio), --model.mlp, and --data.* / --train.* / "
-        "--parallel.* for the training that continues it.",
+        "--parallel.* for the training that continues it. A boostlr low-rank export comes "
+        "back with its own model and factors (no --model.*).",
     )
     h.add_argument("source", help="Hugging Face model directory")
     h.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to write")
@@ -231,7 +238,7 @@ def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool
 def _cmd_export(args: argparse.Namespace) -> None:
     from boostlr.export import export_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out))
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), merge_svd=args.merge_svd)
     print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -1,13 +1,15 @@
-"""Export checkpoints as Hugging Face LLaMA directories, and load models back for inference.
+"""Export checkpoints as Hugging Face model directories, and load models back for inference.
 
 Our module names already match HF ``LlamaForCausalLM`` minus its ``model.`` prefix, so export
 is a pure renaming, done one tensor at a time: a sharded checkpoint is consolidated with the
 memory of its largest tensor, not of the model. An export directory holds
-``model.safetensors`` (HF names), ``config.json`` (an HF LLaMA config plus a ``"boostlr"``
-section with our model config) and ``tokenizer.json``. Only ``arch = "full"`` loads into
-``transformers``; the low-rank archs keep HF naming for their factors
-(``q_proj.down.weight`` / ``q_proj.up.weight``) and are loaded back with
-:func:`load_pretrained`.
+``model.safetensors`` (HF names), ``config.json`` (an HF config plus a ``"boostlr"`` section
+with our model config), ``tokenizer.json`` with ``tokenizer_config.json`` and
+``special_tokens_map.json``. ``arch = "full"`` is a plain ``LlamaForCausalLM``; a low-rank
+arch keeps HF naming for its factors (``q_proj.down.weight`` / ``q_proj.up.weight``) and is a
+remote-code model of its own ``model_type`` (``configuration_boostlr.py`` and
+``modeling_boostlr.py`` are copied in, see :mod:`boostlr.hf`), so transformers loads it with
+``trust_remote_code=True`` and refuses it without. :func:`load_pretrained` loads any of them.
 """
 
 from __future__ import annotations
@@ -23,9 +25,16 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
-from boostlr.data.tokenizer import eos_id, load_tokenizer
+from boostlr.data.tokenizer import load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
+from boostlr.hf.files import (
+    copy_remote_code,
+    lowrank_config,
+    special_token_ids,
+    write_tokenizer_files,
+)
+from boostlr.merge import check_mergeable, merged_config, merged_tensors
 from boostlr.models.llama import LlamaModel, build_model
 from boostlr.stream_safetensors import write_safetensors
 from boostlr.train.checkpoint import META_FILE, MODEL_FILE, load_model_state, open_checkpoint
@@ -63,14 +72,19 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def hf_config(model_cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+def hf_config(
+    model_cfg: ModelConfig, eos_token_id: int | None = None, bos_token_id: int | None = None
+) -> dict[str, Any]:
     """HF ``config.json`` for ``model_cfg``, plus our config under ``"boostlr"``.
 
-    The HF fields describe the model only for ``arch = "full"``, the one arch that loads into
-    ``transformers.LlamaForCausalLM``; for the low-rank archs the ``"boostlr"`` section is
-    what :func:`load_pretrained` rebuilds the model from.
+    ``arch = "full"`` is an HF LLaMA config; a low-rank arch gets its own ``model_type`` and
+    an ``auto_map`` to the remote-code files (:func:`boostlr.hf.files.lowrank_config`). The
+    ``"boostlr"`` section is what :func:`load_pretrained` rebuilds the model from.
     """
     m = model_cfg
+    if m.lowrank:
+        tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+        return {**lowrank_config(m, tokens), "boostlr": _model_dict(m)}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -89,16 +103,17 @@ def hf_config(model_cfg: ModelConfig, eos_token_id: int | None = None) -> dict[s
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": "float32",
-        # HF's defaults (bos 1, eos 2) are wrong for our tokenizers; documents end with EOS only.
-        "bos_token_id": None,
+        # HF's defaults (bos 1, eos 2) are wrong for our tokenizers.
+        "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "boostlr": _model_dict(m),
     }
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) -> Path:
     """Write an HF-style export of ``checkpoint`` (step or run dir) to ``out_dir``, atomically.
 
+    ``merge_svd`` writes an svd model as the dense LLaMA ``W = B A`` (:mod:`boostlr.merge`).
     An existing ``out_dir`` is replaced only if empty or an earlier export, so a typo cannot
     wipe unrelated files.
     """
@@ -106,6 +121,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
+    if merge_svd:
+        check_mergeable(cfg)
     tokenizer_src = ckpt.path / TOKENIZER_FILE
     if not tokenizer_src.is_file():
         raise CheckpointError(
@@ -113,21 +130,29 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
             "boostlr train"
         )
     source = ModelTensors(ckpt.path, ckpt.meta)
+    infos, read = source.infos, source.read
+    if merge_svd:
+        infos, read = merged_tensors(infos, read)
+        cfg = merged_config(cfg)
     # Our names by HF name; HF ties lm_head to embed_tokens itself.
-    names = {hf_name(k): k for k in source.infos if not (cfg.tie_embeddings and k == LM_HEAD)}
-    config = hf_config(cfg, eos_token_id=eos_id(load_tokenizer(tokenizer_src)))
+    names = {hf_name(k): k for k in infos if not (cfg.tie_embeddings and k == LM_HEAD)}
+    tokenizer = load_tokenizer(tokenizer_src)
+    config = hf_config(cfg, **special_token_ids(tokenizer))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         write_safetensors(
             tmp / MODEL_FILE,
-            {hf: source.infos[ours] for hf, ours in names.items()},
-            lambda hf: source.read(names[hf]),
+            {hf: infos[ours] for hf, ours in names.items()},
+            lambda hf: read(names[hf]),
             metadata={"format": "pt"},
         )
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
+        write_tokenizer_files(tmp, tokenizer, cfg.max_seq_len)
+        if cfg.lowrank:
+            copy_remote_code(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,6 +15,10 @@ the factors, so the same factors give a layer that is *not* ``W x`` even at full
 far from the identity); the errors reported are those of ``B A`` only, and the imported CoLA
 model is a warm start that needs training to recover. The MLP keeps the dense model's SwiGLU
 (``model.mlp = swiglu``) unless ``--model.mlp`` says otherwise.
+
+boostlr's own low-rank exports (``model_type boostlr_<arch>``, see :mod:`boostlr.hf`) come
+back as they are: the model config is the export's ``"boostlr"`` section and the factors are
+copied, not refactorised, so an export -> import round trip continues the same model.
 """
 
 from __future__ import annotations
@@ -173,6 +177,41 @@ def lowrank_state(
 # ---------------------------------------------------------------------------- the run dir
 
 
+def exported_model(src: Path) -> dict[str, Any] | None:
+    """The ``"boostlr"`` model section of a low-rank boostlr export, else ``None``."""
+    file = src / HF_CONFIG
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None  # hf_model_overrides reports it
+    if not str(hf.get("model_type", "")).startswith("boostlr_"):
+        return None
+    section = hf.get("boostlr")
+    if not isinstance(section, dict):
+        raise CheckpointError(
+            f'{file}: model_type {hf["model_type"]!r} without a "boostlr" section: '
+            "re-export the checkpoint with boostlr export"
+        )
+    return section
+
+
+def export_config(
+    src: Path, section: dict[str, Any], overrides: list[tuple[str, str]]
+) -> RunConfig:
+    """The run config of a boostlr export: its model section, then the user's overrides."""
+    for key, _ in overrides:
+        if key.startswith("model."):
+            raise ConfigError(
+                f"--{key}: {src} is a boostlr export whose model is fixed by its config.json; "
+                "import it without --model.* (or export the run again)"
+            )
+    model = [
+        (f"model.{key}", str(value).lower() if isinstance(value, bool) else str(value))
+        for key, value in section.items()
+    ]
+    return build_config(overrides=[*model, *overrides])
+
+
 def import_config(src: Path, overrides: list[tuple[str, str]]) -> RunConfig:
     """The run config: the HF shape, ``mlp = swiglu``, then the user's overrides."""
     for key, _ in overrides:
@@ -238,7 +277,11 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
         raise CheckpointError(f"{src} is not a directory: pass a Hugging Face LLaMA directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BoostlrError(f"--out {out} exists and is not empty: pass a new run directory")
-    cfg = import_config(src, overrides or [])
+    section = exported_model(src)
+    if section is None:
+        cfg = import_config(src, overrides or [])
+    else:
+        cfg = export_config(src, section, overrides or [])
     tok_file = src / HF_TOKENIZER
     if not tok_file.is_file():
         raise CheckpointError(
@@ -249,7 +292,7 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
     check_dataset(cfg, tokenizer)
     state = read_hf_weights(src)
     errors: dict[str, float] = {}
-    if cfg.model.lowrank:
+    if cfg.model.lowrank and section is None:
         state, errors = lowrank_state(state, cfg)
     model = build_imported_model(cfg, state)
 

@@ -1,8 +1,11 @@
 """Finding and reading raw text documents.
 
 Inputs are plain files (.txt/.md/.py, one document each), JSON Lines (one document per line, in
-the ``text`` field) or Parquet (the ``text`` column). The default corpus is the running Python's
-own standard library plus the pydoc topics, so a first run needs no download.
+the ``text`` field), Parquet (the ``text`` column) or Arrow (the ``text`` column: the
+``data-*.arrow`` files of a Hugging Face ``datasets`` directory written by ``save_to_disk``,
+so such a directory, or a ``DatasetDict`` one, is an input as it is). The default corpus is
+the running Python's own standard library plus the pydoc topics, so a first run needs no
+download.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from boostlr.errors import DataError
 
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".py"})
-SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
+SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet", ".arrow"}
 
 # Stdlib directories left out of the default corpus: tests, GUI/demo code, vendored or
 # installed packages and generated tables (codec maps, the pydoc topics dump, which is added
@@ -88,6 +91,8 @@ def iter_documents(files: Iterable[Path]) -> Iterator[str]:
             docs: Iterable[str] = _iter_jsonl(path)
         elif suffix == ".parquet":
             docs = _iter_parquet(path)
+        elif suffix == ".arrow":
+            docs = _iter_arrow(path)
         else:
             docs = [_read_text(path)]
         yield from (doc for doc in docs if doc)
@@ -141,6 +146,40 @@ def _iter_parquet(path: Path) -> Iterator[str]:
         raise
     except Exception as exc:  # pyarrow raises many unrelated types for corrupt files
         raise DataError(f"cannot read parquet file {path}: {exc}; check the file") from exc
+
+
+def _iter_arrow(path: Path) -> Iterator[str]:
+    """An Arrow IPC stream (what ``datasets`` writes) or file, one record batch at a time."""
+    try:
+        import pyarrow as pa
+    except ImportError as exc:
+        raise DataError(
+            f"reading {path} needs pyarrow; run `pip install pyarrow` (or boostlr[parquet])"
+        ) from exc
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+            names = reader.schema.names
+            if "text" not in names:
+                raise DataError(
+                    f"{path} has no 'text' column (columns: {', '.join(names)}); store the "
+                    "documents in a string column named 'text'"
+                )
+            column = names.index("text")
+            if isinstance(reader, pa.ipc.RecordBatchFileReader):
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                batches = iter(reader)
+            for batch in batches:
+                yield from (t for t in batch.column(column).to_pylist() if isinstance(t, str))
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow raises many unrelated types for corrupt files
+        raise DataError(f"cannot read Arrow file {path}: {exc}; check the file") from exc
 
 
 def _stdlib_dir() -> Path:

@@ -8,7 +8,9 @@ Layout of a prepared dataset directory::
     val_00000.bin
 
 The directory is built under a temporary name next to ``out_dir`` and renamed into place only
-when complete, so a crash never leaves a half-written dataset that looks valid.
+when complete, so a crash never leaves a half-written dataset that looks valid; Ctrl-C and
+SIGTERM remove the temporary directory (a rerun starts afresh). Encoding is a pipeline
+(:mod:`boostlr.data.encode`) whose memory is a few batches, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -18,16 +20,15 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from rich.console import Console
-from rich.progress import Progress
-from tokenizers import Tokenizer
 
 from boostlr.data.corpus import (
     default_corpus_documents,
@@ -35,6 +36,8 @@ from boostlr.data.corpus import (
     discover_files,
     iter_documents,
 )
+from boostlr.data.encode import encode_stream
+from boostlr.data.progress import Meter, phase
 from boostlr.data.tokenizer import eos_id, resolve_tokenizer
 from boostlr.errors import DataError
 from boostlr.fsutil import fsync_dir, fsync_file, replace_dir, sha256_file
@@ -44,7 +47,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
-_ENCODE_BATCH_CHARS = 4_000_000  # text handed to one encode_batch call (bounded memory)
 
 
 def prepare_dataset(
@@ -65,8 +67,24 @@ def prepare_dataset(
         raise DataError(f"shard_tokens {shard_tokens} must be positive; e.g. 50000000")
     _check_out_dir(out, overwrite)
     documents, source = _document_source(inputs)
+    with _terminate_as_interrupt():
+        return _prepare(
+            documents, source, out, tokenizer, val_fraction, seed, shard_tokens, progress
+        )
 
-    n_docs, n_text = _count_documents(documents())
+
+def _prepare(
+    documents: Callable[[], Iterator[str]],
+    source: dict[str, Any],
+    out: Path,
+    tokenizer: str,
+    val_fraction: float,
+    seed: int,
+    shard_tokens: int,
+    progress: bool,
+) -> dict[str, Any]:
+    with phase(progress, "scan", None) as meter:
+        n_docs, n_text = _count_documents(documents(), meter)
     if n_text == 0:  # whitespace alone would still tokenise into a dataset of a few tokens
         raise DataError(
             f"{source['description']} contains no text ({n_docs} documents, all empty or "
@@ -74,7 +92,7 @@ def prepare_dataset(
         )
     val_docs = _val_indices(n_docs, val_fraction, seed)
 
-    tok = resolve_tokenizer(tokenizer, documents)
+    tok = resolve_tokenizer(tokenizer, lambda: _metered(documents, progress, n_docs), progress)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
     eos = eos_id(tok)
@@ -85,10 +103,9 @@ def prepare_dataset(
         tok.save(str(tmp / TOKENIZER_FILE))
         fsync_file(tmp / TOKENIZER_FILE)
         writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
-        with _progress_bar(progress, n_docs) as advance:
-            for index, ids in _encode(tok, documents(), eos, dtype):
+        with phase(progress, "encode", n_docs) as meter:
+            for index, ids in encode_stream(tok, documents(), eos, dtype, meter):
                 writers["val" if index in val_docs else "train"].write(ids)
-                advance(len(ids))
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -112,13 +129,42 @@ def prepare_dataset(
     return manifest
 
 
-def _count_documents(documents: Iterable[str]) -> tuple[int, int]:
+def _count_documents(documents: Iterable[str], meter: Meter) -> tuple[int, int]:
     """``(documents, documents with non-whitespace text)``."""
     n_docs = n_text = 0
     for doc in documents:
         n_docs += 1
         n_text += bool(doc) and not doc.isspace()
+        meter.advance(1, len(doc.encode("utf-8")))
     return n_docs, n_text
+
+
+def _metered(documents: Callable[[], Iterator[str]], progress: bool, n_docs: int) -> Iterator[str]:
+    """The documents as the BPE trainer reads them, with a bar of their throughput."""
+    with phase(progress, "tokenizer", n_docs) as meter:
+        for doc in documents():
+            meter.advance(1, len(doc.encode("utf-8")))
+            yield doc
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``KeyboardInterrupt`` (as Ctrl-C does), so the temp dir is removed.
+
+    Only the main thread can set a handler; elsewhere the default behaviour stays.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:
@@ -172,42 +218,6 @@ def _val_indices(n_docs: int, val_fraction: float, seed: int) -> frozenset[int]:
     return frozenset(order[:n_val].tolist())
 
 
-def _encode(
-    tok: Tokenizer, documents: Iterable[str], eos: int, dtype: np.dtype
-) -> Iterator[tuple[int, np.ndarray]]:
-    """Yield ``(document index, token ids + EOS)`` in order, encoding in parallel batches."""
-    index = 0
-    for batch in _chunks(documents, _ENCODE_BATCH_CHARS):
-        for encoding in _encode_batch_as_text(tok, batch):
-            ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
-            ids[:-1] = encoding.ids
-            ids[-1] = eos
-            yield index, ids
-            index += 1
-
-
-def _encode_batch_as_text(tok: Tokenizer, batch: list[str]) -> list[Any]:
-    """Encode so that a literal "<|endoftext|>" in a document is text, not a false boundary."""
-    tok.encode_special_tokens = True
-    try:
-        return tok.encode_batch(batch, add_special_tokens=False)
-    finally:
-        tok.encode_special_tokens = False
-
-
-def _chunks(documents: Iterable[str], max_chars: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for doc in documents:
-        batch.append(doc)
-        size += len(doc)
-        if size >= max_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
 class _ShardWriter:
     """Appends tokens of one split to ``<split>_NNNNN.bin`` files of at most ``shard_tokens``."""
 
@@ -252,23 +262,6 @@ class _ShardWriter:
         self._fh.close()
         self._fh = None
         self.shards[-1].update(tokens=self._count, sha256=self._hash.hexdigest())
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, n_docs: int) -> Iterator[Callable[[int], None]]:
-    """Yield ``advance(n_tokens)``, called once per document written."""
-    if not enabled:
-        yield lambda n_tokens: None
-        return
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        docs = bar.add_task("documents", total=n_docs)
-        tokens = bar.add_task("tokens written", total=None)
-
-        def advance(n_tokens: int) -> None:
-            bar.advance(docs)
-            bar.advance(tokens, n_tokens)
-
-        yield advance
 
 
 def _write_json(path: Path, obj: Any) -> None:

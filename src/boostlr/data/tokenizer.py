@@ -20,8 +20,11 @@ _FALLBACK_EOS_TOKENS = ("</s>", "<|end_of_text|>", "<eos>")
 MIN_VOCAB = 260
 
 
-def train_bpe(documents: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE whose id 0 is ``EOS_TOKEN``; any string round-trips losslessly."""
+def train_bpe(documents: Iterable[str], vocab_size: int, show_progress: bool = False) -> Tokenizer:
+    """Train a byte-level BPE whose id 0 is ``EOS_TOKEN``; any string round-trips losslessly.
+
+    ``show_progress`` lets tokenizers draw its own bars for the merge phases (on a terminal).
+    """
     _check_vocab(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -30,7 +33,7 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> Tokenizer:
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(documents, trainer=trainer)
     return tok
@@ -76,12 +79,14 @@ def parse_bpe_spec(spec: str) -> int | None:
     return vocab
 
 
-def resolve_tokenizer(spec: str, documents_factory: Callable[[], Iterable[str]]) -> Tokenizer:
+def resolve_tokenizer(
+    spec: str, documents_factory: Callable[[], Iterable[str]], show_progress: bool = False
+) -> Tokenizer:
     """Train (``bpe:VOCAB``, reading ``documents_factory()``) or load the tokenizer ``spec``."""
     vocab = parse_bpe_spec(spec)
     if vocab is None:
         return load_tokenizer(spec)
-    return train_bpe(documents_factory(), vocab)
+    return train_bpe(documents_factory(), vocab, show_progress)
 
 
 def eos_id(tok: Tokenizer) -> int:

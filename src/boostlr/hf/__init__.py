@@ -1,0 +1,13 @@
+"""Hugging Face side of exports: the remote-code model files and what an export writes.
+
+``configuration_boostlr.py`` and ``modeling_boostlr.py`` import torch and transformers only
+and are copied verbatim into each low-rank export; importing this package imports neither
+(transformers stays an optional dependency of boostlr).
+"""
+
+from pathlib import Path
+
+HF_DIR = Path(__file__).parent
+CONFIG_MODULE = "configuration_boostlr"
+MODELING_MODULE = "modeling_boostlr"
+REMOTE_CODE_FILES = (f"{CONFIG_MODULE}.py", f"{MODELING_MODULE}.py")

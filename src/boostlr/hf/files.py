@@ -1,0 +1,107 @@
+"""What an export writes besides the weights: HF config, tokenizer files, remote code.
+
+A low-rank export is a transformers remote-code model: ``config.json`` names its own
+``model_type`` (``boostlr_<arch>``) and an ``auto_map`` pointing at the two module files
+copied beside it. Every export, dense included, gets ``tokenizer_config.json`` and
+``special_tokens_map.json`` so ``AutoTokenizer`` knows the end-of-text token: without them
+it has no eos/bos and lm-evaluation-harness fails on the first rolling loglikelihood.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from boostlr.config import ModelConfig
+from boostlr.data.tokenizer import eos_id
+from boostlr.hf import CONFIG_MODULE, HF_DIR, MODELING_MODULE, REMOTE_CODE_FILES
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+# A begin-of-text token when the vocabulary has one; else the end-of-text token serves, as in
+# GPT-2: boostlr's token stream puts EOS before every document but the first.
+_BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>")
+
+
+def class_prefix(arch: str) -> str:
+    """``cola`` -> ``BoostlrCola``: the class names of each arch in the remote-code files."""
+    return "Boostlr" + arch.capitalize()
+
+
+def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
+    """``config.json`` of a low-rank export: HF field names, our extra fields, ``auto_map``."""
+    prefix = class_prefix(m.arch)
+    return {
+        "architectures": [f"{prefix}ForCausalLM"],
+        "model_type": f"boostlr_{m.arch}",
+        "auto_map": {
+            "AutoConfig": f"{CONFIG_MODULE}.{prefix}Config",
+            "AutoModelForCausalLM": f"{MODELING_MODULE}.{prefix}ForCausalLM",
+        },
+        "hidden_size": m.dim,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size,
+        "rank": m.rank,
+        "mlp_form": m.mlp_form,
+        "lax_gate": m.lax_gate,
+        "lax_gate_rank": m.lax_gate_rank,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "max_position_embeddings": m.max_seq_len,
+        "tie_word_embeddings": m.tie_embeddings,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "bos_token_id": tokens["bos_token_id"],
+        "eos_token_id": tokens["eos_token_id"],
+    }
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """``eos_token``, ``bos_token`` and ``pad_token`` (= eos: causal padding is masked)."""
+    eos = tokenizer.id_to_token(eos_id(tokenizer))
+    bos = next((t for t in _BOS_TOKENS if tokenizer.token_to_id(t) is not None), eos)
+    return {"bos_token": bos, "eos_token": eos, "pad_token": eos}
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    names = special_tokens(tokenizer)
+    return {
+        "bos_token_id": tokenizer.token_to_id(names["bos_token"]),
+        "eos_token_id": tokenizer.token_to_id(names["eos_token"]),
+    }
+
+
+def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_seq_len: int) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` for ``tokenizer.json``.
+
+    ``PreTrainedTokenizerFast`` wraps ``tokenizer.json`` as it is, so ``AutoTokenizer``
+    encodes exactly what ``tokenizers`` does; no BOS/EOS is added beyond the tokenizer's
+    own post-processor, and decoding does not "clean up" spaces (that would change text).
+    """
+    names = special_tokens(tokenizer)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "model_max_length": max_seq_len,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        # No token_type_ids: a causal LM takes none (transformers 4.x generate() refuses them).
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (out / SPECIAL_TOKENS_MAP).write_text(json.dumps(names, indent=2) + "\n")
+
+
+def copy_remote_code(out: Path) -> None:
+    """The configuration and modeling modules, byte for byte, beside the weights."""
+    for name in REMOTE_CODE_FILES:
+        shutil.copyfile(HF_DIR / name, out / name)

@@ -1,0 +1,387 @@
+"""Hugging Face model of boostlr's low-rank LLaMA variants (SVD, CoLA, LaX), with KV cache.
+
+Copied into every low-rank export beside ``configuration_boostlr.py`` and loaded by
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It imports torch and
+transformers only. The math is boostlr's single-device model operation for operation (fp32
+RMSNorm, RoPE in the ``rotate_half`` layout with the sign folded into the sin table, SDPA,
+GQA by ``repeat_interleave``), so the logits equal ``boostlr``'s own forward; module names
+match boostlr's export (``model.layers.{i}.self_attn.q_proj.down.weight``), so the weights
+load by name, untouched.
+
+Every block linear is ``up(h(down(x)))``: ``h`` is the identity for SVD, SiLU for CoLA, and
+for LaX ``SiLU(LN_r(down(x) + G(z_prev)))``, where ``z_prev`` is the latent the same linear
+of the previous block produced at the same position. The latent is per position, so cached
+decoding only needs it for the new tokens and the KV cache is the usual one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_boostlr import (
+    BoostlrColaConfig,
+    BoostlrConfig,
+    BoostlrLaxConfig,
+    BoostlrSvdConfig,
+)
+
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+Latents = dict[str, torch.Tensor]
+# transformers 5 renamed the cache field and argument ``past_key_values`` to ``cache``.
+_FIELDS = CausalLMOutputWithPast.__dataclass_fields__
+CACHE_FIELD = "cache" if "cache" in _FIELDS else "past_key_values"
+_TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+class BoostlrRMSNorm(nn.Module):
+    """RMSNorm computed in fp32, as boostlr and ``LlamaRMSNorm`` do."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class BoostlrLatentCrossing(nn.Module):
+    """LaX's ``LN_r(a + G(z_prev))``; block 0 has the norm but no gate ``G``."""
+
+    def __init__(self, config: BoostlrConfig, gate: str | None):
+        super().__init__()
+        r = config.rank
+        self.norm = BoostlrRMSNorm(r, config.rms_norm_eps)
+        self.gate_kind = gate
+        if gate == "full":
+            self.gate = nn.Linear(r, r, bias=False)
+        elif gate == "factored":
+            self.gate_down = nn.Linear(r, config.lax_gate_rank, bias=False)
+            self.gate_up = nn.Linear(config.lax_gate_rank, r, bias=False)
+
+    def forward(
+        self, a: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        u = a
+        if self.gate_kind is not None:
+            if z_prev is None:
+                raise ValueError("a LaX crossing with a gate needs the previous block's latent")
+            if self.gate_kind == "full":
+                u = u + self.gate(z_prev)
+            else:
+                u = u + self.gate_up(self.gate_down(z_prev))
+        return self.norm(u), u
+
+
+class BoostlrLowRankLinear(nn.Module):
+    """``up(h(down(x)))``; returns the output and LaX's latent (``None`` for SVD and CoLA)."""
+
+    def __init__(self, config: BoostlrConfig, d_in: int, d_out: int, layer: int):
+        super().__init__()
+        self.arch = config.arch
+        self.down = nn.Linear(d_in, config.rank, bias=False)
+        self.up = nn.Linear(config.rank, d_out, bias=False)
+        if self.arch == "lax":
+            self.cross = BoostlrLatentCrossing(config, config.lax_gate if layer > 0 else None)
+
+    def forward(
+        self, x: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        a = self.down(x)
+        z = None
+        if self.arch == "lax":
+            normed, z = self.cross(a, z_prev)
+            h = F.silu(normed)
+        elif self.arch == "cola":
+            h = F.silu(a)
+        else:
+            h = a
+        return self.up(h), z
+
+
+def rope_tables(
+    config: BoostlrConfig, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin ``[b, 1, s, head_dim]`` (``[-sin, sin]``: one roll rotates)."""
+    hd = config.head_dim
+    device = position_ids.device
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
+    )
+    freqs = position_ids.float()[..., None] * inv_freq
+    sin = freqs.sin()
+    cos = torch.cat((freqs, freqs), dim=-1).cos()
+    return cos[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+class BoostlrAttention(nn.Module):
+    def __init__(self, config: BoostlrConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.head_dim = config.head_dim
+        d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+        shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
+        for name, (d_in, d_out) in shapes.items():
+            setattr(self, name, BoostlrLowRankLinear(config, d_in, d_out, layer))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        z_prev: Latents | None,
+    ) -> tuple[torch.Tensor, Latents]:
+        z: Latents = {}
+        q, z["q_proj"] = self.q_proj(x, _get(z_prev, "q_proj"))
+        k, z["k_proj"] = self.k_proj(x, _get(z_prev, "k_proj"))
+        v, z["v_proj"] = self.v_proj(x, _get(z_prev, "v_proj"))
+        b, s, _ = q.shape
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        if mask is None:
+            # Same call as boostlr's model when there is no cache: bit-identical logits.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y, z["o_proj"] = self.o_proj(out.transpose(1, 2).reshape(b, s, -1), _get(z_prev, "o_proj"))
+        return y, z
+
+
+class BoostlrMLP(nn.Module):
+    def __init__(self, config: BoostlrConfig, layer: int):
+        super().__init__()
+        self.form = config.mlp_form
+        d, f = config.hidden_size, config.intermediate_size
+        shapes = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+        for name, (d_in, d_out) in shapes.items():
+            setattr(self, name, BoostlrLowRankLinear(config, d_in, d_out, layer))
+
+    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
+        z: Latents = {}
+        g, z["gate_proj"] = self.gate_proj(x, _get(z_prev, "gate_proj"))
+        u, z["up_proj"] = self.up_proj(x, _get(z_prev, "up_proj"))
+        product = F.silu(g) * u if self.form == "swiglu" else g * u
+        y, z["down_proj"] = self.down_proj(product, _get(z_prev, "down_proj"))
+        return y, z
+
+
+class BoostlrDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: BoostlrConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = BoostlrAttention(config, layer)
+        self.post_attention_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = BoostlrMLP(config, layer)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        z_prev: Latents | None,
+    ) -> tuple[torch.Tensor, Latents]:
+        a, z_attn = self.self_attn(self.input_layernorm(x), rope, mask, cache, z_prev)
+        x = x + a
+        m, z_mlp = self.mlp(self.post_attention_layernorm(x), z_prev)
+        return x + m, {**z_attn, **z_mlp}
+
+
+class BoostlrPreTrainedModel(PreTrainedModel):
+    config_class = BoostlrConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["BoostlrDecoderLayer"]
+    _supports_sdpa = True
+    _supports_cache_class = True  # transformers 4.x reads it before building a DynamicCache
+
+
+class BoostlrModel(BoostlrPreTrainedModel):
+    """Embedding, blocks and final norm (no head), like ``LlamaModel``."""
+
+    def __init__(self, config: BoostlrConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [BoostlrDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        elif not use_cache:
+            cache = None
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
+        rope = rope_tables(self.config, position_ids)
+        mask = attention_bias(attention_mask, x.shape[0], x.shape[1], past, x.device)
+        z: Latents | None = None
+        for layer in self.layers:
+            x, z = layer(x, rope, mask, cache, z)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})
+
+
+class BoostlrForCausalLM(BoostlrPreTrainedModel, GenerationMixin):
+    """The model and its LM head; ``labels`` give the mean next-token cross-entropy."""
+
+    _tied_weights_keys = (
+        {"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_5 else ["lm_head.weight"]
+    )
+
+    def __init__(self, config: BoostlrConfig):
+        super().__init__(config)
+        self.model = BoostlrModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1),
+                labels[:, 1:].to(logits.device).flatten(),
+                ignore_index=-100,
+            )
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, **{CACHE_FIELD: getattr(out, CACHE_FIELD)}
+        )
+
+
+def attention_bias(
+    attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int, device: torch.device
+) -> torch.Tensor | None:
+    """The SDPA mask ``[b, 1, q, kv]`` (True = attend), or ``None`` for plain causal attention.
+
+    ``None`` when nothing is padded and either there is no cache (``is_causal``) or one new
+    token attends to everything. A padded query still attends to itself: some SDPA backends
+    give NaN for a row with no key, and that NaN would reach later tokens through the cache.
+    """
+    kv_len = past + q_len
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask.to(device)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, -kv_len:].to(device)
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if not padded and (past == 0 or q_len == 1):
+        return None
+    q_pos = torch.arange(past, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None].expand(batch, 1, q_len, kv_len)
+    if padded:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+        mask = mask | (k_pos == q_pos)[None, None]
+    return mask
+
+
+class BoostlrSvdForCausalLM(BoostlrForCausalLM):
+    config_class = BoostlrSvdConfig
+
+
+class BoostlrColaForCausalLM(BoostlrForCausalLM):
+    config_class = BoostlrColaConfig
+
+
+class BoostlrLaxForCausalLM(BoostlrForCausalLM):
+    config_class = BoostlrLaxConfig
+
+
+MODEL_CLASSES = {
+    "svd": BoostlrSvdForCausalLM,
+    "cola": BoostlrColaForCausalLM,
+    "lax": BoostlrLaxForCausalLM,
+}
+
+
+def _get(z: Latents | None, name: str) -> torch.Tensor | None:
+    return None if z is None else z.get(name)

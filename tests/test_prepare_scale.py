@@ -1,0 +1,140 @@
+"""``boostlr prepare`` at scale: the encoding pipeline, HF datasets inputs, progress, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from boostlr.cli import main
+from boostlr.data import EOS_TOKEN, TokenDataset, eos_id, prepare_dataset, train_bpe
+from boostlr.data.encode import encode_stream
+from boostlr.data.progress import Meter
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
+
+
+def _docs(n: int = 60) -> list[str]:
+    words = WORDS.split()
+    docs = [" ".join(words[(i * 3 + j) % len(words)] for j in range(10 + 7 * i)) for i in range(n)]
+    docs[5] = f"text with a literal {EOS_TOKEN} inside"
+    docs[9] = "ünïcödé ✓ 数字\n\n\tindented"
+    return docs
+
+
+def test_pipeline_encodes_each_document_as_one_encode_call(monkeypatch) -> None:
+    docs = _docs()
+    tok = train_bpe(docs, 300)
+    meter = Meter()
+    # Small batches: many batches in flight through reader, encoder and caller.
+    out = list(encode_stream(tok, iter(docs), 0, np.dtype("<u2"), meter, batch_chars=200))
+    assert [i for i, _ in out] == list(range(len(docs)))
+    tok.encode_special_tokens = True
+    for (_, ids), doc in zip(out, docs, strict=True):
+        assert ids[:-1].tolist() == tok.encode(doc, add_special_tokens=False).ids
+        assert ids[-1] == 0
+    tok.encode_special_tokens = False
+    assert meter.docs == len(docs) and meter.tokens == sum(len(ids) for _, ids in out)
+    assert meter.bytes == sum(len(d.encode("utf-8")) for d in docs)
+    assert out[5][1][:-1].tolist().count(0) == 0  # the literal EOS is text
+
+
+def test_a_reader_error_reaches_the_caller() -> None:
+    def broken():
+        yield "alpha beta"
+        raise OSError("disk gone")
+
+    tok = train_bpe(_docs(), 300)
+    with pytest.raises(OSError, match="disk gone"):
+        list(encode_stream(tok, broken(), 0, np.dtype("<u2"), Meter(), batch_chars=1))
+
+
+def test_hf_datasets_directories_are_inputs(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    docs = _docs()
+    single = datasets.Dataset.from_dict({"text": docs, "id": list(range(len(docs)))})
+    single.save_to_disk(str(tmp_path / "ds"))
+    both = datasets.DatasetDict({"a": single.select(range(40)), "b": single.select(range(40, 60))})
+    both.save_to_disk(str(tmp_path / "dd"))
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = tmp_path / "tok.json"
+    train_bpe(docs, 300).save(str(tok))
+
+    def tokens(src: Path, name: str) -> np.ndarray:
+        prepare_dataset([src], tmp_path / name, str(tok), val_fraction=0.0, progress=False)
+        data = TokenDataset(tmp_path / name, "train")
+        return data.tokens(0, len(data))
+
+    expected = tokens(jsonl, "from_jsonl")
+    assert (expected == 0).sum() == len(docs)
+    assert np.array_equal(tokens(tmp_path / "ds", "from_ds"), expected)
+    assert np.array_equal(tokens(tmp_path / "dd", "from_dd"), expected)  # splits a, b in order
+
+
+def test_arrow_without_text_column_is_one_line_error(tmp_path: Path, capsys) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(str(tmp_path / "ds"))
+    capsys.readouterr()  # datasets' own progress
+    args = ["prepare", "--input", str(tmp_path / "ds"), "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no 'text' column (columns: body)" in err[0], err
+
+
+def test_every_phase_shows_throughput(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich then treats stderr as a terminal
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
+    args = ["prepare", "--input", str(jsonl), "--out", str(tmp_path / "out")]
+    assert main([*args, "--tokenizer", "bpe:300"]) == 0
+    err = capsys.readouterr().err
+    for name in ("scan", "tokenizer", "encode"):
+        assert name in err, name
+    assert "MB/s" in err and "tok/s" in err and "docs" in err
+
+
+def _stdlib_corpus(root: Path, copies: int) -> Path:
+    """Real text: the stdlib's top-level sources, ``copies`` times, one .txt file each."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    root.mkdir()
+    for k in range(copies):
+        for i, source in enumerate(sorted(stdlib.glob("*.py"))):
+            (root / f"{k:02d}_{i:04d}.txt").write_bytes(source.read_bytes())
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM semantics")
+def test_sigterm_leaves_no_dataset_and_a_rerun_works(tmp_path: Path) -> None:
+    corpus = _stdlib_corpus(tmp_path / "corpus", copies=2)
+    tok = tmp_path / "tok.json"
+    train_bpe([p.read_text() for p in sorted(corpus.iterdir())[:40]], 2000).save(str(tok))
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-m", "boostlr.cli", "prepare", "--input", str(corpus)]
+    cmd += ["--out", str(out), "--tokenizer", str(tok)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.glob(".data.tmp-*/tokenizer.json")):  # encoding begins
+        assert proc.poll() is None and time.monotonic() < deadline, "finished before the signal"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "tok.json"]
+
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    data = TokenDataset(out, "train")
+    tokenizer = json.loads((out / "manifest.json").read_text())
+    assert tokenizer["documents"]["total"] == len(list(corpus.iterdir()))
+    assert data.eos_id == eos_id(train_bpe(["x"], 300))
