@@ -63,7 +63,7 @@ def _task_dir(root: Path, text: Path) -> Path:
 
 
 def _train_and_export(arch: str, data: Path, root: Path) -> Path:
-    from boostlr.train import loop
+    from boostlr.train import run as trainer
 
     overrides = {
         "model.preset": "tiny",
@@ -80,7 +80,7 @@ def _train_and_export(arch: str, data: Path, root: Path) -> Path:
         "train.ckpt_every": "100",
         "parallel.device": "cpu",
     }
-    loop.train(build_config(overrides=list(overrides.items())), root / "run", console=False)
+    trainer.train(build_config(overrides=list(overrides.items())), root / "run", console=False)
     return export_checkpoint(root / "run", root / "export")
 
 
