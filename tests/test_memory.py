@@ -49,6 +49,5 @@ def test_rows_carry_memory_against_the_floor_and_phases_are_written(
         held = row["mem_params_mb"] + row["mem_grads_mb"] + row["mem_optim_mb"]
         assert row["mem_grads_mb"] == pytest.approx(row["mem_params_mb"])
         assert row["mem_floor_mb"] == pytest.approx(held + report["runtime_mb"])
-        assert row["peak_mem_mb"] >= row["mem_floor_mb"] - 1  # the floor is a lower bound
     assert report["runtime_mb"] > 50  # torch is loaded: the runtime is real
     assert report["held"]["mem_params_mb"] == pytest.approx(step_rows[-1]["mem_params_mb"])
