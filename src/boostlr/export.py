@@ -30,6 +30,7 @@ from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
 from boostlr.hf.files import (
     copy_remote_code,
+    llama_fields,
     lowrank_config,
     special_token_ids,
     write_tokenizer_files,
@@ -88,17 +89,7 @@ def hf_config(
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": m.dim,
-        "intermediate_size": m.ffn_dim,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "max_position_embeddings": m.max_seq_len,
-        "tie_word_embeddings": m.tie_embeddings,
+        **llama_fields(m),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

@@ -32,6 +32,23 @@ def class_prefix(arch: str) -> str:
     return "Boostlr" + arch.capitalize()
 
 
+def llama_fields(m: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` fields every export shares with an HF LLaMA config."""
+    return {
+        "hidden_size": m.dim,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "max_position_embeddings": m.max_seq_len,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
+
+
 def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
     """``config.json`` of a low-rank export: HF field names, our extra fields, ``auto_map``."""
     prefix = class_prefix(m.arch)
@@ -42,21 +59,11 @@ def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
             "AutoConfig": f"{CONFIG_MODULE}.{prefix}Config",
             "AutoModelForCausalLM": f"{MODELING_MODULE}.{prefix}ForCausalLM",
         },
-        "hidden_size": m.dim,
-        "intermediate_size": m.ffn_dim,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size,
+        **llama_fields(m),
         "rank": m.rank,
         "mlp_form": m.mlp_form,
         "lax_gate": m.lax_gate,
         "lax_gate_rank": m.lax_gate_rank,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "max_position_embeddings": m.max_seq_len,
-        "tie_word_embeddings": m.tie_embeddings,
         "torch_dtype": "float32",
         "use_cache": True,
         "bos_token_id": tokens["bos_token_id"],
