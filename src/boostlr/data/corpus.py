@@ -126,13 +126,19 @@ def _iter_jsonl(path: Path) -> Iterator[str]:
             yield text
 
 
-def _iter_parquet(path: Path) -> Iterator[str]:
+def _require_pyarrow(path: Path) -> None:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow  # noqa: F401
     except ImportError as exc:
         raise DataError(
             f"reading {path} needs pyarrow; run `pip install pyarrow` (or boostlr[parquet])"
         ) from exc
+
+
+def _iter_parquet(path: Path) -> Iterator[str]:
+    _require_pyarrow(path)
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)
         if "text" not in parquet.schema_arrow.names:
@@ -150,12 +156,9 @@ def _iter_parquet(path: Path) -> Iterator[str]:
 
 def _iter_arrow(path: Path) -> Iterator[str]:
     """An Arrow IPC stream (what ``datasets`` writes) or file, one record batch at a time."""
-    try:
-        import pyarrow as pa
-    except ImportError as exc:
-        raise DataError(
-            f"reading {path} needs pyarrow; run `pip install pyarrow` (or boostlr[parquet])"
-        ) from exc
+    _require_pyarrow(path)
+    import pyarrow as pa
+
     try:
         with pa.memory_map(str(path)) as source:
             try:

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from boostlr.train.perf import peak_memory_mb
+
 MB = 2**20
 
 
@@ -164,13 +166,5 @@ def memory_row(
     start-up runtime), in MiB."""
     held = held_tensor_mb(params, optimizer)
     phases.note_held(held)
-    peak = max(
-        device_peak_mb(device) if device.type == "cuda" else peak_rss_ever_mb(), phases.peak_mb
-    )
+    peak = max(peak_memory_mb(device), phases.peak_mb)
     return {**held, "peak_mem_mb": peak, "mem_floor_mb": sum(held.values()) + phases.runtime_mb}
-
-
-def peak_rss_ever_mb() -> float:
-    """The process's high-water resident set since it started (``getrusage``)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / MB if sys.platform == "darwin" else rss / 1024
