@@ -325,8 +325,12 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     params = rank_params(m, strategy, p, pp_rank)
     out = state_bytes(cfg, pp_rank)
     if p.dp > 1:
-        if p.dp_mode == "fsdp":  # one module gathered, the next prefetched; its full grads
-            out["gathered"] = 2 * 2 * FP32 * params.largest_module
+        if p.dp_mode == "fsdp":
+            # One block gathered and the next prefetched, with full gradients; the stage's
+            # root (embedding, norm, head) is FSDP's root module: gathered from its first
+            # forward to the end of the stage's backward, its full gradient reduced last.
+            blocks = 2 * 2 * FP32 * params.largest_block
+            out["gathered"] = blocks + 2 * FP32 * params.roots
         else:  # parameters stay gathered from forward to backward
             out["gathered"] = FP32 * (params.local + params.largest_module)
     if a == 2:

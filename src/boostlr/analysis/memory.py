@@ -55,6 +55,8 @@ class RankParams:
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
     tensors: int = 0  # parameter tensors (the optimizer's per-tensor ops on a CPU)
+    largest_block: int = 0  # elements of the largest block before dp sharding
+    roots: int = 0  # elements of the stages' root modules (embedding, norm, head) unsharded
 
     @property
     def sharded(self) -> int:
@@ -100,7 +102,7 @@ def _rank_params(
     tp, dp = p.tp, p.dp
     local = 0
     modules: list[int] = []
-    largest = tensors = 0
+    largest = tensors = largest_block = roots = 0
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks = {i: 0 for i in layers}
@@ -133,7 +135,9 @@ def _rank_params(
                 block_local[layer] += n
         modules += [*blocks.values(), root]
         largest = max([largest, root_local, *block_local.values()])
-    return RankParams(local, tuple(modules), largest, tensors)
+        largest_block = max([largest_block, *block_local.values()])
+        roots += root_local
+    return RankParams(local, tuple(modules), largest, tensors, largest_block, roots)
 
 
 def activation_bytes_per_block(
