@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from test_train import check_time_breakdown, tiny_run_config, train_rows
 from boostlr.analysis.comm import tp_comm_volume
 from boostlr.cli import main
 from boostlr.config import build_config
+from boostlr.data.loader import val_batches
 from boostlr.export import export_checkpoint
 from boostlr.train import run as trainer
 
@@ -216,3 +218,28 @@ def test_a_sigkilled_rank_is_named_as_likely_out_of_memory(
     assert "--train.batch_size" in line and "Traceback" not in err
     # The last good checkpoint is kept and resumable.
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_dp2_evaluates_an_odd_number_of_validation_batches_without_hanging(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Every dp rank must run the same number of evaluation forwards: FSDP's all-gathers
+    are collectives, so a rank with one more batch would wait for the others forever."""
+    val = trainer.open_datasets(tiny_run_config(small_dataset))[1]
+    # A window length whose validation split holds an odd number of batches of 2 (the
+    # split, not data.val_batches, limits the count).
+    seq = next(s for s in range(16, 200, 8) if len(val_batches(val, 2, s, 10**6)) % 2 == 1)
+    overrides = {
+        "parallel.dp": 2,
+        "parallel.timeout_s": 60,  # a hang fails the run instead of the suite
+        "train.batch_size": 2,
+        "data.seq_len": seq,
+        "data.val_batches": 10**6,
+        "train.steps": 2,
+        "train.eval_every": 1,
+    }
+    run = tmp_path / "run"
+    trainer.train(tiny_run_config(small_dataset, **overrides), run, console=False)
+    evals = [r for r in metric_rows(run) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert all(math.isfinite(r["val_loss"]) for r in evals)
