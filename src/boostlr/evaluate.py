@@ -16,7 +16,6 @@ depend on the vocabulary, runs with different tokenizers compare.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -41,8 +40,7 @@ from tokenizers import Tokenizer
 from boostlr.config import DEVICES, DTYPES, RunConfig, apply_mapping, from_dict
 from boostlr.data import TokenDataset, default_dataset, eos_id
 from boostlr.errors import BoostlrError, DataError
-from boostlr.export import CONFIG_FILE as EXPORT_CONFIG
-from boostlr.export import _is_export, _model_config, load_pretrained
+from boostlr.export import export_model_config, is_export, load_pretrained
 from boostlr.models.llama import LlamaModel
 from boostlr.train.checkpoint import open_checkpoint
 
@@ -210,10 +208,9 @@ class _progress:
 def source_config(path: Path) -> RunConfig:
     """The run config behind a checkpoint, run or export dir (an export has the model only)."""
     path = Path(path)
-    if _is_export(path):
+    if is_export(path):
         cfg = RunConfig()
-        config = json.loads((path / EXPORT_CONFIG).read_text())
-        cfg.model = _model_config(config.get("boostlr"), path / EXPORT_CONFIG)
+        cfg.model = export_model_config(path)
         if 260 <= cfg.model.vocab_size < 2**32:
             cfg.data.default_vocab = cfg.model.vocab_size
         return cfg

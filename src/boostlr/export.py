@@ -154,9 +154,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
 def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[LlamaModel, Tokenizer]:
     """Model (eval mode) and tokenizer from a checkpoint (step or run dir) or an export dir."""
     path = Path(path)
-    if _is_export(path):
-        config = json.loads((path / CONFIG_FILE).read_text())
-        cfg = _model_config(config["boostlr"], path / CONFIG_FILE)
+    if is_export(path):
+        cfg = export_model_config(path)
         state = from_hf_state_dict(load_file(path / MODEL_FILE))
         source = path
     elif (path / META_FILE).is_file() or (path / "checkpoints").is_dir():
@@ -203,11 +202,17 @@ def _model_config(data: Any, source: Path) -> ModelConfig:
     return model_config_from_dict(data)
 
 
+def export_model_config(path: Path) -> ModelConfig:
+    """The model config of an export directory (its ``config.json``'s ``boostlr`` section)."""
+    config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    return _model_config(config.get("boostlr"), Path(path) / CONFIG_FILE)
+
+
 def _checkpoint_model_config(meta: dict[str, Any], source: Path) -> ModelConfig:
     return _model_config(meta.get("config", {}).get("model"), source / META_FILE)
 
 
-def _is_export(path: Path) -> bool:
+def is_export(path: Path) -> bool:
     """An export dir: ``config.json`` with a ``"boostlr"`` section, next to the weights."""
     if not (path / CONFIG_FILE).is_file() or not (path / MODEL_FILE).is_file():
         return False
@@ -222,7 +227,7 @@ def _check_out_dir(out_dir: Path) -> None:
         return
     if not out_dir.is_dir():
         raise BoostlrError(f"--out {out_dir} is a file: pass a new directory for --out")
-    if any(out_dir.iterdir()) and not _is_export(out_dir):
+    if any(out_dir.iterdir()) and not is_export(out_dir):
         raise BoostlrError(
             f"--out {out_dir} is not empty and not an earlier export: pass a new --out directory"
         )

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from boostlr.config import RunConfig, build_config, dump_toml, to_dict
+from boostlr.config import RunConfig, build_config, dump_toml
 from boostlr.data import TokenDataset, load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.export import LM_HEAD, from_hf_state_dict
@@ -270,7 +270,7 @@ def build_imported_model(cfg: RunConfig, state: dict[str, torch.Tensor]) -> Llam
 def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = None) -> ImportResult:
     """Write the run directory ``out`` (atomically: a temp dir renamed into place)."""
     from boostlr.train.run import CONFIG_FILE
-    from boostlr.train.state import TOKENIZER_FILE, layout_of
+    from boostlr.train.state import TOKENIZER_FILE, checkpoint_payload
 
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -296,25 +296,16 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
         state, errors = lowrank_state(state, cfg)
     model = build_imported_model(cfg, state)
 
-    # What state.save writes, at step 0: weights, zero AdamW moments for every parameter,
-    # the data position at the start, the schedule, the RNG, the config and layout.
+    # A step-0 checkpoint like the trainer's: zero AdamW moments for every parameter, the
+    # data at its start, no schedule anchor.
     optimizer = build_optimizer(model.parameters(), cfg.train)
     init_optimizer_state(optimizer)
-    named = list(model.named_parameters())
-    sharded = {"model": dict(named), "optim": {n: optimizer.state[p] for n, p in named}}
-    trainer = {
-        "step": 0,
-        "loader": {"epoch": 0, "windows": 0, "position": 0},
-        "lr_schedule": {"steps": cfg.train.steps, "anchor": None},
-    }
     torch.manual_seed(cfg.train.seed)
     info = import_info(src, cfg, errors)
-    meta = {
-        "config": to_dict(cfg),
-        "layout": layout_of(cfg),
-        "world_size": cfg.parallel.world_size,
-        "import": info,
-    }
+    start = {"epoch": 0, "windows": 0, "position": 0}
+    payload = checkpoint_payload(
+        cfg, list(model.named_parameters()), optimizer, 0, start, None, {"import": info}
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -323,14 +314,7 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
         (tmp / CONFIG_FILE).write_text(dump_toml(cfg))
         (tmp / IMPORT_FILE).write_text(json.dumps(info, indent=2) + "\n")
         writer = CheckpointWriter(tmp / "checkpoints", 0, None, cfg.train.keep_checkpoints)
-        writer.save(
-            0,
-            sharded,
-            trainer,
-            {"cpu": torch.get_rng_state()},
-            meta,
-            {TOKENIZER_FILE: tmp / TOKENIZER_FILE},
-        )
+        writer.save(0, *payload, {TOKENIZER_FILE: tmp / TOKENIZER_FILE})
         writer.close()
         replace_dir(tmp, out)  # ``out`` is absent or empty (checked above)
     except BaseException:

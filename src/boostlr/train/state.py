@@ -110,20 +110,29 @@ def layout_of(cfg: RunConfig) -> dict:
 
 def sharded_state(state: RunState) -> dict:
     """Model and optimizer state by global parameter name (this rank's DTensor shards)."""
-    named = state.model.named_parameters()
-    return {
-        "model": dict(named),
-        "optim": {name: state.optimizer.state[p] for name, p in named},
-    }
+    return _sharded(state.model.named_parameters(), state.optimizer)
 
 
-def save(state: RunState, step: int) -> float:
-    """Every rank writes its own shards (no gather); returns the seconds the loop blocked."""
-    cfg, run_dir = state.cfg, state.run_dir
+def _sharded(named: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer):
+    return {"model": dict(named), "optim": {name: optimizer.state[p] for name, p in named}}
+
+
+def checkpoint_payload(
+    cfg: RunConfig,
+    named: list[tuple[str, torch.nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    loader: dict[str, int],
+    lr_anchor: Anchor | None,
+    extra_meta: dict | None = None,
+) -> tuple[dict, dict, dict, dict]:
+    """What a checkpoint holds, as :meth:`CheckpointWriter.save` takes it: the shards by global
+    name, the trainer state, the RNG and the metadata. ``boostlr import-hf`` writes its step-0
+    checkpoint through this too, so an imported run resumes like any other."""
     trainer = {
         "step": step,
-        "loader": state.loader.state_dict(),
-        "lr_schedule": {"steps": cfg.train.steps, "anchor": state.lr_anchor},
+        "loader": loader,
+        "lr_schedule": {"steps": cfg.train.steps, "anchor": lr_anchor},
     }
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -132,7 +141,19 @@ def save(state: RunState, step: int) -> float:
         "config": to_dict(cfg),
         "layout": layout_of(cfg),
         "world_size": cfg.parallel.world_size,
+        **(extra_meta or {}),
     }
-    return state.writer.save(
-        step, sharded_state(state), trainer, rng, meta, {TOKENIZER_FILE: run_dir / TOKENIZER_FILE}
+    return _sharded(named, optimizer), trainer, rng, meta
+
+
+def save(state: RunState, step: int) -> float:
+    """Every rank writes its own shards (no gather); returns the seconds the loop blocked."""
+    payload = checkpoint_payload(
+        state.cfg,
+        state.model.named_parameters(),
+        state.optimizer,
+        step,
+        state.loader.state_dict(),
+        state.lr_anchor,
     )
+    return state.writer.save(step, *payload, {TOKENIZER_FILE: state.run_dir / TOKENIZER_FILE})
