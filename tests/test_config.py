@@ -94,3 +94,30 @@ def test_a_removed_key_names_its_removal_and_old_runs_still_load(tmp_path: Path)
         build_config(old_run)  # a config the user wrote
     assert build_config(old_run, saved=True).parallel.tp == 2  # a run's own: --resume
     assert from_dict({"parallel": {"pair_exchange": False, "tp": 2}}).parallel.tp == 2
+
+
+def test_every_config_field_is_typed_and_has_a_docstring() -> None:
+    """The schema documents itself: a docstring under every field, choices as ``Literal``."""
+    import ast
+    import dataclasses
+    import typing
+
+    from boostlr.config import schema
+
+    tree = ast.parse(Path(schema.__file__).read_text())
+    for cls in (schema.ModelConfig, schema.DataConfig, schema.TrainConfig, schema.ParallelConfig):
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        body = node.body
+        documented = {
+            stmt.target.id
+            for stmt, after in zip(body, body[1:], strict=False)
+            if isinstance(stmt, ast.AnnAssign)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        }
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert names - documented == set(), cls.__name__
+    hints = typing.get_type_hints(schema.ParallelConfig)
+    assert typing.get_args(hints["act_ckpt"]) == schema.ACT_CKPT_MODES
+    assert typing.get_args(typing.get_type_hints(schema.ModelConfig)["arch"]) == schema.ARCHS

@@ -35,6 +35,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
     """Convert a TOML or command-line value to the field's declared type."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Literal:  # one of a fixed set: validation names the choices
+        return _coerce(value, str, key)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if isinstance(value, str) and value.lower() in ("none", "null"):

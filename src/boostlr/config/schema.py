@@ -1,27 +1,40 @@
 """The run configuration's schema: four sections of typed fields with their defaults.
 
-Everything a run needs is one :class:`RunConfig`. Each field's comment says what it does;
-the README's config reference lists them all. Resolution and validation live in
-:mod:`boostlr.config.validate`, reading TOML and ``--section.key`` overrides in
-:mod:`boostlr.config.parse`.
+Everything a run needs is one :class:`RunConfig`. Each field has a docstring saying what it
+does; a field whose values are a fixed set is typed with that set (``Literal``), and the
+tuples below are those sets for validation messages. The README's config reference lists
+every key. Resolution and validation live in :mod:`boostlr.config.validate`, reading TOML
+and ``--section.key`` overrides in :mod:`boostlr.config.parse`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-ARCHS = ("full", "cola", "svd", "lax")
+Arch = Literal["full", "cola", "svd", "lax"]
+MlpForm = Literal["auto", "lowrank-only", "swiglu"]
+LaxGate = Literal["factored", "full"]
+Dtype = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+TPStrategy = Literal["auto", "megatron", "vanilla", "btp"]
+NormMode = Literal["online", "sync"]
+ActCkpt = Literal["none", "lowrank", "block"]
+DPMode = Literal["fsdp", "ddp"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved"]
+
+ARCHS: tuple[str, ...] = get_args(Arch)
 LOWRANK_ARCHS = ("cola", "svd", "lax")
-MLP_FORMS = ("auto", "lowrank-only", "swiglu")
-LAX_GATES = ("factored", "full")
-DTYPES = ("float32", "bfloat16")
-DEVICES = ("auto", "cpu", "cuda")
-TP_STRATEGIES = ("auto", "megatron", "vanilla", "btp")
-NORM_MODES = ("online", "sync")
-ACT_CKPT_MODES = ("none", "lowrank", "block")
-DP_MODES = ("fsdp", "ddp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+MLP_FORMS: tuple[str, ...] = get_args(MlpForm)
+LAX_GATES: tuple[str, ...] = get_args(LaxGate)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+DEVICES: tuple[str, ...] = get_args(Device)
+TP_STRATEGIES: tuple[str, ...] = get_args(TPStrategy)
+NORM_MODES: tuple[str, ...] = get_args(NormMode)
+ACT_CKPT_MODES: tuple[str, ...] = get_args(ActCkpt)
+DP_MODES: tuple[str, ...] = get_args(DPMode)
+PP_SCHEDULES: tuple[str, ...] = get_args(PPSchedule)
 
 
 @dataclass(frozen=True)
@@ -57,24 +70,41 @@ class ModelConfig:
     """Model shape and architecture. Shape fields left unset come from ``preset``."""
 
     preset: str = "small"
-    arch: str = "cola"
+    """Shape preset (a key of :data:`PRESETS`): dim, ffn_dim, layers, heads, kv heads."""
+    arch: Arch = "cola"
+    """``full`` (dense LLaMA), ``cola`` (B σ(A x)), ``svd`` (B A x) or ``lax`` (CoLA with a
+    gated crossing from the previous layer's latent)."""
     dim: int | None = None
+    """Hidden size; unset takes the preset's."""
     n_layers: int | None = None
+    """Transformer blocks; unset takes the preset's."""
     n_heads: int | None = None
+    """Attention heads; unset takes the preset's."""
     n_kv_heads: int | None = None
+    """Key/value heads (fewer than ``n_heads`` is GQA); unset takes the preset's."""
     ffn_dim: int | None = None
-    # 0 means "take it from the dataset's tokenizer" (or the preset when planning).
+    """MLP inner width; unset takes the preset's."""
     vocab_size: int = 0
-    # An explicit rank wins over rank_ratio (rank = round(ratio * dim)).
+    """0 takes it from the dataset's tokenizer (or the preset when planning)."""
     rank: int | None = None
+    """Rank of every low-rank linear; an explicit rank wins over ``rank_ratio``."""
     rank_ratio: float = 0.25
-    mlp: str = "auto"
-    lax_gate: str = "factored"
+    """rank = round(ratio x dim) when ``rank`` is unset."""
+    mlp: MlpForm = "auto"
+    """``lowrank-only`` (down(gate(x) ⊙ up(x)) of low-rank linears) or ``swiglu``; auto picks
+    the first for low-rank archs, the second for ``full``."""
+    lax_gate: LaxGate = "factored"
+    """LaX's crossing map G: ``factored`` (r -> r/4 -> r) or ``full`` (r x r)."""
     rope_theta: float = 10000.0
+    """RoPE base frequency."""
     norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
     tie_embeddings: bool = False
+    """Share the embedding with the LM head (refused with btp and with pipelines)."""
     max_seq_len: int = 4096
+    """Longest sequence the RoPE tables cover; ``data.seq_len`` may not exceed it."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
 
     @property
     def lowrank(self) -> bool:
@@ -104,10 +134,13 @@ class DataConfig:
     """Where tokens come from. ``path=None`` uses the embedded stdlib corpus."""
 
     path: str | None = None
+    """A directory written by ``boostlr prepare``; unset uses the embedded stdlib corpus."""
     seq_len: int = 128
-    # Used only when ``path`` is unset: the BPE vocabulary of the default corpus.
+    """Tokens per training sequence."""
     default_vocab: int = 4096
+    """BPE vocabulary of the default corpus (used only when ``path`` is unset)."""
     val_batches: int = 8
+    """Validation set: the first val_batches x global-batch windows of the val split."""
 
 
 @dataclass
@@ -115,87 +148,114 @@ class TrainConfig:
     """Optimiser, schedule, precision and bookkeeping cadence."""
 
     steps: int = 300
+    """Optimizer steps."""
     batch_size: int = 16
+    """Sequences per micro-batch on each data-parallel rank."""
     grad_accum: int = 1
+    """Micro-batches per step; derived when ``global_batch`` is set."""
     lr: float = 3e-3
+    """Peak learning rate."""
     min_lr_ratio: float = 0.1
+    """The cosine schedule ends at min_lr_ratio x lr."""
     warmup: int = 30
+    """Steps of linear warmup."""
     weight_decay: float = 0.1
+    """AdamW weight decay (none on norm gains)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's epsilon."""
     grad_clip: float = 1.0
+    """Clip by the L2 norm of the whole model's gradient; 0 turns clipping off."""
     seed: int = 0
-    dtype: str = "float32"
+    """Weights (one generator per parameter, the same at every layout) and data order."""
+    dtype: Dtype = "float32"
+    """``bfloat16``: autocast compute and FSDP bf16 gathers, fp32 master weights."""
     log_every: int = 10
+    """Steps between metrics rows (the only steps that read values back from the device)."""
     eval_every: int = 100
+    """Steps between evaluations; the last step always evaluates."""
     ckpt_every: int = 100
+    """Steps between checkpoints; the last step always saves."""
     keep_checkpoints: int = 3
-    # Write checkpoints in the background (DCP async_save on its own gloo group): the step
-    # loop blocks only for the copy of this rank's shards to host memory.
+    """Newest checkpoints kept; older ones are pruned."""
     async_ckpt: bool = False
-    # torch.compile every block (inductor): each collective-free region is one graph, the
-    # collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA.
+    """Write checkpoints in the background (DCP async_save on its own gloo group): the step
+    loop blocks only for the copy of this rank's shards to host memory."""
     compile: bool = False
-    # "A:B" writes a torch.profiler trace (Chrome/Perfetto JSON) of steps A..B into the run
-    # directory, one file per rank; "" = off.
+    """torch.compile every block (inductor): each collective-free region is one graph, the
+    collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA."""
     profile_steps: str = ""
-    # Write each rank's memory per phase (start-up, materialise, FSDP wrap, optimizer state,
-    # forward/backward, step, eval, save) to <run>/memory/rank<N>.json.
+    """``A:B`` writes a torch.profiler trace of steps A..B into the run directory, one file
+    per rank; empty is off."""
     memory_phases: bool = False
-    # CPU: a caching host allocator, so the large tensors every step reallocates skip the
-    # kernel's page faults: jemalloc/tcmalloc preloaded into the ranks when installed, else
-    # glibc's heap told to keep what it frees (mallopt).
+    """Write each rank's memory per phase (start-up, materialise, FSDP wrap, optimizer
+    state, forward/backward, step, eval, save) to ``<run>/memory/rank<N>.json``."""
     cpu_alloc_cache: bool = True
-    # The LM head and its cross-entropy in one step: each chunk of logits becomes its
-    # gradient while in cache; one [tokens, vocab] buffer kept instead of about four
-    # (pipeline runs keep the unfused loss: their schedule owns it).
+    """CPU: a caching host allocator, so the large tensors every step reallocates skip the
+    kernel's page faults: jemalloc/tcmalloc preloaded into the ranks when installed, else
+    glibc's heap told to keep what it frees (mallopt)."""
     fused_loss: bool = True
-    # Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x grad_accum
-    # x dp. When set it derives grad_accum (it must divide evenly).
+    """The LM head and its cross-entropy in one step: each chunk of logits becomes its
+    gradient while in cache, so one [tokens, vocab] buffer is kept instead of about four
+    (pipeline runs keep the unfused loss: their schedule owns it)."""
     global_batch: int = 0
-    # Copy every metrics row to TensorBoard event files in <run>/tb/ (needs tensorboard).
+    """Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x
+    grad_accum x dp. When set it derives grad_accum (it must divide evenly)."""
     tensorboard: bool = False
-    # Copy every metrics row to this Weights & Biases project (needs wandb; WANDB_MODE works).
+    """Copy every metrics row to TensorBoard event files in ``<run>/tb/``."""
     wandb: str | None = None
+    """Copy every metrics row to this Weights & Biases project (``WANDB_MODE`` works)."""
 
 
 @dataclass
 class ParallelConfig:
     """Process layout (pp x dp x tp) and tensor-parallel options (docs/design.md §2, §4)."""
 
-    device: str = "auto"
-    # Local processes to launch; 0 = the product of the parallel degrees. When set it must
-    # equal that product. Under torchrun/srun the launcher's WORLD_SIZE must match it.
+    device: Device = "auto"
+    """``cpu`` (gloo), ``cuda`` (NCCL), or auto: cuda when available."""
     nproc: int = 0
+    """Local processes to launch; 0 = the product of the parallel degrees, else it must
+    equal it. Under torchrun/srun the launcher's WORLD_SIZE must match it."""
     tp: int = 1
-    # Data-parallel degree; -1 fills the rest of the world (parallel.nproc or WORLD_SIZE).
+    """Tensor-parallel degree."""
     dp: int = 1
+    """Data-parallel degree (FSDP2); -1 fills the rest of the world."""
     pp: int = 1
-    # fsdp: parameters resharded after forward (ZeRO-3-like); ddp: kept whole, grads reduced.
-    dp_mode: str = "fsdp"
-    pp_schedule: str = "1f1b"
-    # Pipeline micro-batches per batch_size micro-batch; 0 = the number of pipeline stages.
+    """Pipeline-parallel degree."""
+    dp_mode: DPMode = "fsdp"
+    """``fsdp``: parameters resharded after forward (ZeRO-3-like); ``ddp``: kept gathered
+    from forward to backward, only gradients reduce-scattered (ZeRO-2-like)."""
+    pp_schedule: PPSchedule = "1f1b"
+    """Pipeline schedule; ``interleaved`` runs ``pp_virtual`` stages per rank."""
     microbatches: int = 0
-    # Stages per rank under the interleaved schedule.
+    """Pipeline micro-batches per batch_size micro-batch; 0 = the number of stages."""
     pp_virtual: int = 2
-    # auto: none at tp 1, btp for low-rank archs, megatron for full.
-    tp_strategy: str = "auto"
-    norm: str = "online"
+    """Stages per rank under the interleaved schedule."""
+    tp_strategy: TPStrategy = "auto"
+    """auto: none at tp 1, btp for low-rank archs, megatron for full."""
+    norm: NormMode = "online"
+    """btp: RMSNorm statistics ride with the down-projection all-reduce (``online``) or get
+    their own (``sync``)."""
     grouping: bool = True
-    # btp: each up-projection B starts its latents' backward all-reduce before computing its
-    # weight gradient, so the exchange overlaps that GEMM (eager runs; off: blocking).
+    """btp: one fused GEMM for the down-projections, batched up-projections."""
     tp_overlap: bool = True
-    act_ckpt: str = "none"
-    # Restart all ranks up to this many times when one dies (SIGKILL, OOM); they resume
-    # from the newest valid checkpoint by themselves.
+    """btp: each up-projection B starts its latents' backward all-reduce before computing
+    its weight gradient, so the exchange overlaps that GEMM (eager runs; off: blocking)."""
+    act_ckpt: ActCkpt = "none"
+    """Activation checkpointing: ``lowrank`` (btp's regions, no recompute traffic) or
+    ``block`` (whole blocks)."""
     max_restarts: int = 0
-    # Seconds a collective may wait on any process group (subgroups included) before the
-    # run fails instead of hanging.
+    """Restart all ranks up to this many times when one dies (SIGKILL, OOM); they resume
+    from the newest valid checkpoint by themselves."""
     timeout_s: float = 600.0
-    # CPU: bind each local rank to its own slice of the cores (gloo's threads included) so
-    # ranks do not preempt the peers they wait for; off leaves scheduling to the OS.
+    """Seconds a collective may wait on any process group before the run fails instead of
+    hanging."""
     pin_cores: bool = True
+    """CPU: bind each local rank to its own slice of the cores (gloo's threads included) so
+    ranks do not preempt the peers they wait for; off leaves scheduling to the OS."""
 
     @property
     def world_size(self) -> int:
