@@ -262,29 +262,22 @@ MEMORY_MODEL = [
 
 
 def _write_checkpoint(
-    root: Path, cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer: Path, sharded: bool
+    root: Path, cfg: RunConfig, state: dict[str, torch.Tensor], tokenizer: Path
 ) -> Path:
-    """A checkpoint by the documented contract (files, then meta.json with sizes and sha256).
+    """A checkpoint by the documented contract (a DCP directory of ``model.<name>`` entries,
+    then meta.json with sizes and sha256).
 
-    Written here rather than by the trainer so the sizes are exactly controlled: sharded as
-    a ``torch.distributed.checkpoint`` directory with ``model.<name>`` entries, or one
-    ``model.safetensors``.
+    Written here rather than by the trainer so the sizes are exactly controlled.
     """
     path = root / "checkpoints" / "step_1"
     path.mkdir(parents=True)
-    if sharded:
-        dcp.save({f"model.{k}": v for k, v in state.items()}, checkpoint_id=path, no_dist=True)
-    else:
-        save_file(state, path / MODEL_FILE)
+    dcp.save({f"model.{k}": v for k, v in state.items()}, checkpoint_id=path, no_dist=True)
     (path / "tokenizer.json").write_bytes(tokenizer.read_bytes())
     files = {
         f.name: {"size": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(path.iterdir())
     }
-    # Format 1 is the single-file layout of older boostlr; format 2 is DCP.
-    meta = {"format": FORMAT_VERSION if sharded else 1, "step": 1, "files": files}
+    meta = {"format": FORMAT_VERSION, "step": 1, "files": files, "sharded": True}
     meta |= {"config": {"model": to_dict(cfg)["model"]}, "layout": {"pp": 1, "dp": 1, "tp": 1}}
-    if sharded:
-        meta["sharded"] = True
     (path / META_FILE).write_text(json.dumps(meta))
     return path
 
@@ -300,11 +293,10 @@ def memory_checkpoints(
     tiny = _run_config("full")
     tiny_state = build_model(tiny.model, seed=0).state_dict()
     out: dict[str, Path | int] = {"total": sum(sizes), "largest": max(sizes)}
-    for kind in ("sharded", "safetensors"):
-        out[kind] = _write_checkpoint(root / kind, big, state, tokenizer_file, kind == "sharded")
-        out[f"{kind}_warmup"] = _write_checkpoint(
-            root / f"{kind}_warmup", tiny, tiny_state, tokenizer_file, kind == "sharded"
-        )
+    out["sharded"] = _write_checkpoint(root / "sharded", big, state, tokenizer_file)
+    out["sharded_warmup"] = _write_checkpoint(
+        root / "sharded_warmup", tiny, tiny_state, tokenizer_file
+    )
     return out
 
 
@@ -322,18 +314,16 @@ def _peak_growth(mode: str, warmup: Path, checkpoint: Path, out: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="measures memory through /proc")
-@pytest.mark.parametrize("kind", ["sharded", "safetensors"])
 def test_export_peak_memory_is_a_few_tensors_not_the_model(
-    memory_checkpoints: dict, tmp_path: Path, kind: str
+    memory_checkpoints: dict, tmp_path: Path
 ) -> None:
     total, largest = memory_checkpoints["total"], memory_checkpoints["largest"]
     assert total >= 30 * largest  # the model is far larger than any one tensor
     growth = _peak_growth(
-        "streamed", memory_checkpoints[f"{kind}_warmup"], memory_checkpoints[kind], tmp_path
+        "streamed", memory_checkpoints["sharded_warmup"], memory_checkpoints["sharded"], tmp_path
     )
     # The tensor being read and the reader's staging copies are a few times the largest
-    # tensor (measured: ~10 MiB from DCP, ~2 MiB from safetensors); holding the model would
-    # be at least the total, 31 times the largest.
+    # tensor; holding the model would be at least the total, 31 times the largest.
     mib = f"peak grew {growth / 2**20:.1f} MiB for a {total / 2**20:.0f} MiB model"
     assert growth < total / 4, mib
     exported = load_file(tmp_path / "export" / MODEL_FILE)

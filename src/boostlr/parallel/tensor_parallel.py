@@ -166,30 +166,3 @@ def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm)
             if p.grad is not None:
                 p.grad.mul_(scale.to(p.grad.device, p.grad.dtype))
     return float(total)
-
-
-def load_full_optimizer_state(
-    model: TensorParallelModel, optimizer: torch.optim.Optimizer, full: dict
-) -> None:
-    """Slice an optimizer state keyed by parameter name, with full (single-device) shapes,
-    for this rank and load it (the single-file checkpoint's layout)."""
-    names = {id(p): n for n, p in model.named_shards()}
-    index: dict[str, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index[names[id(p)]] = len(index)
-    state = {}
-    for name, entries in full["state"].items():
-        full_shape = model.full_shapes[name]
-        state[index[name]] = {
-            k: (model.shard_of(name, v) if torch.is_tensor(v) and v.shape == full_shape else v)
-            for k, v in entries.items()
-        }
-    groups = [
-        {
-            **{k: v for k, v in saved.items() if k != "params"},
-            "params": [index[n] for n in saved["params"]],
-        }
-        for saved in full["param_groups"]
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})

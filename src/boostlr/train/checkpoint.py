@@ -9,8 +9,7 @@ config, layout and every file's size and sha256 — written last. Nothing is a p
 
 A save goes into ``.tmp-step_N``; when every rank's files are complete and fsynced, rank 0
 writes ``meta.json``, renames the directory into place and fsyncs the parent. A crash at
-any moment leaves the previous checkpoint as the newest valid one. Format 1 (one process:
-``model.safetensors`` + ``trainer.pt``) is still read.
+any moment leaves the previous checkpoint as the newest valid one.
 """
 
 from __future__ import annotations
@@ -40,13 +39,10 @@ from boostlr.faults import crash_point
 from boostlr.fsutil import fsync_dir, fsync_file, sha256_file
 
 FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
 META_FILE = "meta.json"
 TRAINER_FILE = "trainer.json"
 DCP_METADATA = ".metadata"
-LEGACY_MODEL_FILE = "model.safetensors"
-LEGACY_TRAINER_FILE = "trainer.pt"
-MODEL_FILE = LEGACY_MODEL_FILE  # the name exports still use
+MODEL_FILE = "model.safetensors"  # an export's weights (checkpoints are DCP directories)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TEMP_PREFIX = ".tmp-step_"
 
@@ -60,11 +56,6 @@ class Checkpoint:
     path: Path
     step: int
     meta: dict[str, Any]
-
-    @property
-    def sharded(self) -> bool:
-        """A DCP directory (format 2, or a format-1 multi-rank save)."""
-        return bool(self.meta.get("sharded"))
 
 
 # ---------------------------------------------------------------------------- writing
@@ -335,8 +326,6 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 def load_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Full-shape weights by name, in one process (tests; export streams instead)."""
-    if not ckpt.sharded:
-        return load_file(ckpt.path / LEGACY_MODEL_FILE)
     state = {
         key: torch.empty(shape, dtype=dtype)
         for key, (shape, dtype) in dcp_tensor_entries(ckpt.path).items()
@@ -409,11 +398,6 @@ def load_sharded_state(
     ckpt: Checkpoint, state: dict[str, Any], group: dist.ProcessGroup | None
 ) -> None:
     """Load a DCP checkpoint in place into ``state`` — any layout into any other."""
-    if not ckpt.sharded:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} is an old single-file checkpoint: resume it once in one "
-            "process (parallel degrees 1) to convert it, then at any layout"
-        )
     missing = _missing_keys(ckpt.path, state)
     if missing:
         raise CheckpointError(
@@ -450,29 +434,18 @@ def load_trainer_state(ckpt: Checkpoint, rank: int) -> tuple[dict[str, Any], dic
     A rank that did not exist at save time (the world grew) takes rank 0's RNG state.
     """
     path = ckpt.path
-    if (path / TRAINER_FILE).is_file():
-        trainer = json.loads((path / TRAINER_FILE).read_text())
-        own = path / rng_file(rank)
-        rng = load_file(own if own.is_file() else path / rng_file(0))
-        return trainer, rng
-    # Format 1: a one-process trainer.pt or per-rank trainer_rank{r}.pt (tensors and ints,
-    # loaded with weights_only so no arbitrary object can be unpickled).
-    legacy = path / LEGACY_TRAINER_FILE
-    if not legacy.is_file():
-        legacy = path / f"trainer_rank{rank}.pt"
-    if not legacy.is_file():
+    if not (path / TRAINER_FILE).is_file():
         raise CheckpointError(f"checkpoint {path} has no trainer state: use another checkpoint")
-    trainer = torch.load(legacy, map_location="cpu", weights_only=True)
-    rng = {"cpu": trainer["rng"]["cpu"]}
-    for i, state in enumerate(trainer["rng"].get("cuda") or []):
-        rng[f"cuda{i}"] = state
+    trainer = json.loads((path / TRAINER_FILE).read_text())
+    own = path / rng_file(rank)
+    rng = load_file(own if own.is_file() else path / rng_file(0))
     return trainer, rng
 
 
 def _read_valid_meta(path: Path, verify_hashes: bool) -> dict[str, Any] | None:
     try:
         meta = json.loads((path / META_FILE).read_text())
-        if meta.get("format") not in READABLE_FORMATS:
+        if meta.get("format") != FORMAT_VERSION:
             return None
         for name, info in meta["files"].items():
             file = path / name

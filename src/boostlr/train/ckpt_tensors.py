@@ -3,10 +3,8 @@
 :func:`~boostlr.train.checkpoint.load_model_state` builds the whole model in memory, which is
 what resuming and generation need. Export and inspection only need one tensor at a time (or
 none: shapes and dtypes), so they use :class:`ModelTensors`, whose memory is that of the
-tensor being read. Both checkpoint kinds are covered: a sharded
-``torch.distributed.checkpoint`` directory (``"sharded": true`` in ``meta.json``; the model
-entries are ``model.<name>`` at their global shape, read from ``.metadata`` alone) and a
-one-process ``model.safetensors``.
+tensor being read. A checkpoint is a ``torch.distributed.checkpoint`` directory: the model
+entries are ``model.<name>`` at their global shape, listed from ``.metadata`` alone.
 """
 
 from __future__ import annotations
@@ -18,11 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from boostlr.errors import CheckpointError
-from boostlr.stream_safetensors import DTYPE_OF_NAME, TensorInfo
-from boostlr.train.checkpoint import MODEL_FILE, SafeFileSystemReader, dcp_tensor_entries
+from boostlr.stream_safetensors import TensorInfo
+from boostlr.train.checkpoint import SafeFileSystemReader, dcp_tensor_entries
 
 DCP_MODEL_PREFIX = "model."
 
@@ -35,9 +33,8 @@ class ModelTensors:
 
     def __init__(self, path: Path, meta: dict[str, Any]):
         self.path = Path(path)
-        self.sharded = bool(meta.get("sharded"))
         try:
-            self.infos = self._dcp_infos() if self.sharded else self._safetensors_infos()
+            self.infos = self._dcp_infos()
         except (OSError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as exc:
             raise CheckpointError(
                 f"cannot read the model entries of checkpoint {self.path} ({exc}): use an "
@@ -58,18 +55,14 @@ class ModelTensors:
         return sum(info.nbytes for info in self.infos.values())
 
     def read(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` on CPU (all its shards, for a sharded checkpoint)."""
+        """The full tensor ``name`` on CPU (all its shards)."""
         info = self.infos[name]
-        if self.sharded:
-            key = DCP_MODEL_PREFIX + name
-            out = {key: torch.empty(info.shape, dtype=info.dtype)}
-            with warnings.catch_warnings():  # one process is the intent, not a mistake
-                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load(out, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
-            return out[key]
-        # Opened per tensor so that no mapping of the whole file outlives the read.
-        with safe_open(self.path / MODEL_FILE, framework="pt") as fh:
-            return fh.get_tensor(name)
+        key = DCP_MODEL_PREFIX + name
+        out = {key: torch.empty(info.shape, dtype=info.dtype)}
+        with warnings.catch_warnings():  # one process is the intent, not a mistake
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(out, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
+        return out[key]
 
     def _dcp_infos(self) -> dict[str, TensorInfo]:
         return {
@@ -77,14 +70,3 @@ class ModelTensors:
             for key, (shape, dtype) in dcp_tensor_entries(self.path).items()
             if key.startswith(DCP_MODEL_PREFIX)
         }
-
-    def _safetensors_infos(self) -> dict[str, TensorInfo]:
-        infos = {}
-        with safe_open(self.path / MODEL_FILE, framework="pt") as fh:
-            for name in fh.keys():
-                part = fh.get_slice(name)
-                dtype = DTYPE_OF_NAME.get(part.get_dtype())
-                if dtype is None:
-                    raise ValueError(f"tensor {name} has unsupported dtype {part.get_dtype()}")
-                infos[name] = TensorInfo(dtype, tuple(part.get_shape()))
-        return infos

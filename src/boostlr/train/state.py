@@ -14,13 +14,10 @@ import torch
 
 from boostlr.config import RunConfig, from_dict, to_dict
 from boostlr.data import BatchLoader
-from boostlr.errors import CheckpointError
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.tensor_parallel import load_full_optimizer_state
 from boostlr.train.checkpoint import (
     Checkpoint,
     CheckpointWriter,
-    load_model_state,
     load_sharded_state,
     load_trainer_state,
 )
@@ -58,10 +55,7 @@ class RunState:
 
 def restore(state: RunState, ckpt: Checkpoint) -> None:
     """Weights, AdamW moments, data position, RNG and schedule — at any layout."""
-    if ckpt.sharded:
-        load_sharded_state(ckpt, sharded_state(state), state.model.comms.ckpt_group)
-    else:
-        _restore_single_file(state, ckpt)
+    load_sharded_state(ckpt, sharded_state(state), state.model.comms.ckpt_group)
     trainer, rng = load_trainer_state(ckpt, state.rank)
     state.loader.load_state_dict(trainer["loader"])
     torch.set_rng_state(rng["cpu"])
@@ -74,26 +68,6 @@ def restore(state: RunState, ckpt: Checkpoint) -> None:
     anchor = tuple(schedule["anchor"]) if schedule.get("anchor") else None
     saved_train = from_dict(ckpt.meta["config"]).train
     state.lr_anchor = reanchor(saved_train, anchor, state.cfg.train, ckpt.step)
-
-
-def _restore_single_file(state: RunState, ckpt: Checkpoint) -> None:
-    """A format-1 checkpoint (one process, full tensors); the next save converts it."""
-    if state.distributed:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} is an old single-file checkpoint: resume it once in one "
-            "process (parallel degrees 1) to convert it, then at any layout"
-        )
-    (part,) = state.model.stages
-    weights = load_model_state(ckpt)
-    missing, unexpected = part.model.load_state_dict(weights, strict=False)
-    tied_only = missing == ["lm_head.weight"] and part.cfg.tie_embeddings
-    if unexpected or (missing and not tied_only):
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} does not match the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}): resume with the run's own config"
-        )
-    trainer, _ = load_trainer_state(ckpt, 0)
-    load_full_optimizer_state(part, state.optimizer, trainer["optimizer"])
 
 
 def layout_of(cfg: RunConfig) -> dict:
