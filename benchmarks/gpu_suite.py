@@ -6,7 +6,8 @@ Writes ``gpu_suite.json`` and ``gpu_suite.md`` into ``--out`` (default ``benchma
    and weight-grad shapes from ``boostlr.analysis.gemms``) of vanilla TP vs BTP, CoLA at the
    1B-30B presets, T = 4 and 8: BTP's reduction dims (d/t, r) stay large where vanilla's B
    has r/t, the paper's utilisation claim.
-2. One-GPU training steps (bf16 autocast, fused AdamW): tokens/s, MFU and peak memory for
+2. One-GPU training steps (the trainer's model and step, ``benchmarks/common.py``: bf16
+   autocast, clipping, fused AdamW): tokens/s, MFU and peak memory for
    ``full`` vs ``cola`` at 350M and 1B, eager and ``torch.compile``d.
 3. With two or more GPUs, ``benchmarks/tp_strategies.py`` over NCCL.
 
@@ -31,14 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from common import Part, random_batch, run_config
 
 from boostlr.analysis.gemms import Gemm, backward, block_gemms
 from boostlr.config import ModelConfig, build_config
 from boostlr.models.counting import flops_per_token
-from boostlr.models.llama import build_model
-from boostlr.parallel.collectives import CommLedger, GroupComm
-from boostlr.parallel.context import TPContext
-from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.train.perf import peak_flops
 
 GEMM_PRESETS = ("1B", "3B", "7B", "13B", "30B")
@@ -164,24 +162,26 @@ def train_step_row(
 ) -> dict:
     """Tokens/s, MFU and peak memory of the one-device training step (bf16 autocast)."""
     vocab = 512 if suite.tiny else 32000
-    cfg = model_config(preset, arch, vocab)
-    ctx = TPContext(GroupComm(None, "tp", CommLedger()), cfg, compile=compile)
-    model = TensorParallelModel(build_model(cfg, seed=0, device=suite.device), None, ctx)
-    fused = suite.device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(suite.device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    run = run_config(
+        {
+            "model.preset": preset,
+            "model.arch": arch,
+            "model.vocab_size": vocab,
+            "data.seq_len": seq,
+            "train.batch_size": batch,
+            "train.dtype": "bfloat16",
+            "train.compile": compile,
+            "parallel.device": suite.device.type,
+        }
+    )
+    cfg = run.model
+    part = Part.build(run, suite.device)
+    inputs, targets = random_batch(vocab, batch, seq, suite.device)
     if suite.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(suite.device)
 
     def step() -> float:
-        with torch.autocast(suite.device.type, dtype=torch.bfloat16):
-            loss = model(inputs, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(part.step(inputs, targets)[1])
 
     started = time.perf_counter()
     for _ in range(2):  # warm-up: compilation, allocator, cuBLAS heuristics

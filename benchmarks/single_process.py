@@ -3,9 +3,9 @@
 Each arch trains in its own fresh process (so peak memory is not polluted by the previous
 arch) on the same random tokens; rounds are interleaved (full, cola, svd, lax, full, ...) so
 machine noise hits every arch alike. Prints one table with ratios to ``full`` (or to the first
-arch run). The step is the trainer's one-device step (``TensorParallelModel``: BTP's grouped
-block for low-rank archs unless ``--no-grouping``), optionally under bf16 autocast and
-``torch.compile``.
+arch run). The model and step are the trainer's (``benchmarks/common.py``: BTP's grouped
+block for low-rank archs unless ``--no-grouping``, clipping, fused AdamW), optionally under
+bf16 autocast and ``torch.compile``.
 
     python benchmarks/single_process.py                 # 60M preset, seq 128, batch 4
     python benchmarks/single_process.py --preset 130M --device cuda --seq-len 1024
@@ -20,55 +20,42 @@ import multiprocessing as mp
 import platform
 import resource
 import statistics
-import time
 
 ARCHS = ("full", "cola", "svd", "lax")
 
 
 def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
     import torch
+    from common import Part, random_batch, run_config
 
-    from boostlr.config import build_config
     from boostlr.models.counting import count_params, flops_per_token
-    from boostlr.models.llama import build_model
-    from boostlr.parallel.collectives import CommLedger, GroupComm
-    from boostlr.parallel.context import TPContext
-    from boostlr.parallel.tensor_parallel import TensorParallelModel
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    overrides = [("model.preset", args.preset), ("model.arch", arch)]
+    overrides = {
+        "model.preset": args.preset,
+        "model.arch": arch,
+        "model.vocab_size": args.vocab,
+        "data.seq_len": args.seq_len,
+        "train.batch_size": args.batch_size,
+        "train.dtype": args.dtype,
+        "train.compile": args.compile,
+        "parallel.device": args.device,
+        "parallel.grouping": not args.no_grouping,
+    }
     if args.mlp != "auto" and not (arch == "full" and args.mlp == "lowrank-only"):
-        overrides.append(("model.mlp", args.mlp))
-    cfg = build_config(overrides=overrides).model
-    cfg.vocab_size = args.vocab
+        overrides["model.mlp"] = args.mlp
+    cfg = run_config(overrides)
     baseline_rss = _peak_rss_mb()
-    ctx = TPContext(
-        GroupComm(None, "tp", CommLedger()),
-        cfg,
-        grouping=not args.no_grouping,
-        compile=args.compile,
-    )
-    model = TensorParallelModel(build_model(cfg, seed=0, device=device), None, ctx)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    part = Part.build(cfg, device)
+    inputs, targets = random_batch(args.vocab, args.batch_size, args.seq_len, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for step in range(args.warmup + args.steps):
-        started = time.perf_counter()
-        with autocast:
-            loss = model(inputs, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        seconds, loss = part.step(inputs, targets)
         if step >= args.warmup:
-            times.append(time.perf_counter() - started)
+            times.append(seconds)
     step_time = statistics.median(times)
     if device.type == "cuda":
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
@@ -78,12 +65,12 @@ def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
     out.put(
         {
             "arch": arch,
-            "params": count_params(cfg).total,
+            "params": count_params(cfg.model).total,
             "tokens_per_s": tokens_per_step / step_time,
             "step_time_s": step_time,
             "peak_mb": peak_mb,
-            "flops_per_s": flops_per_token(cfg, args.seq_len) * tokens_per_step / step_time,
-            "loss": float(loss.detach()),
+            "flops_per_s": flops_per_token(cfg.model, args.seq_len) * tokens_per_step / step_time,
+            "loss": float(loss),
         }
     )
 
@@ -122,7 +109,10 @@ def main() -> None:
             results[arch].append(queue.get(timeout=1800))
             proc.join()
 
+    from common import machine
+
     cpu = platform.processor() or platform.machine()
+    print(machine())
     print(
         f"# single_process: preset {args.preset}, seq {args.seq_len}, batch {args.batch_size}, "
         f"vocab {args.vocab}, {args.steps} timed steps x {args.rounds} rounds, "

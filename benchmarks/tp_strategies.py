@@ -15,9 +15,7 @@ ablation of BTP's companions.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import time
 
 CONFIGS: list[tuple[str, str, str, dict]] = [
     # label, arch, strategy, options
@@ -25,7 +23,7 @@ CONFIGS: list[tuple[str, str, str, dict]] = [
     ("vanilla (cola)", "cola", "vanilla", {}),
     ("btp (cola)", "cola", "btp", {}),
     ("btp, norm=sync", "cola", "btp", {"norm": "sync"}),
-    ("btp, grouping=off", "cola", "btp", {"grouping": False}),
+    ("btp, grouping=off", "cola", "btp", {"grouping": "false"}),
     ("btp, act_ckpt=lowrank", "cola", "btp", {"act_ckpt": "lowrank"}),
     ("btp, act_ckpt=block", "cola", "btp", {"act_ckpt": "block"}),
 ]
@@ -34,60 +32,57 @@ CONFIGS: list[tuple[str, str, str, dict]] = [
 def _rank(args: argparse.Namespace) -> dict[str, dict]:
     import torch
     import torch.distributed as dist
+    from common import Part, interleave, random_batch, run_config
     from torch.profiler import ProfilerActivity, profile
 
-    from boostlr.config import build_config
-    from boostlr.models.llama import build_model
-    from boostlr.parallel.collectives import CommLedger, GroupComm
-    from boostlr.parallel.context import TPContext
     from boostlr.parallel.launch import init_distributed
-    from boostlr.parallel.tensor_parallel import TensorParallelModel
 
     device = torch.device(args.device)
     init_distributed(device, args.tp)
-    comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    inputs, targets = random_batch(args.vocab, args.batch_size, args.seq_len, device)
 
-    models = {}
+    parts = {}
     for label, arch, strategy, opts in CONFIGS:
-        cfg = build_config(overrides=[("model.preset", args.preset), ("model.arch", arch)]).model
-        cfg.vocab_size = args.vocab
-        ctx = TPContext(comm, cfg, **opts)
-        model = TensorParallelModel(build_model(cfg, seed=0), strategy, ctx).to(device)
-        models[label] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        overrides = {
+            "model.preset": args.preset,
+            "model.arch": arch,
+            "model.vocab_size": args.vocab,
+            "data.seq_len": args.seq_len,
+            "train.batch_size": args.batch_size,
+            "parallel.device": args.device,
+            "parallel.tp": args.tp,
+            "parallel.tp_strategy": strategy,
+            **{f"parallel.{k}": v for k, v in opts.items()},
+        }
+        parts[label] = Part.build(run_config(overrides), device)
 
     def step(label: str) -> float:
-        model, opt = models[label]
+        ledger = parts[label].model.comms.ledger
         dist.barrier()
-        comm.ledger.reset()
-        started = time.perf_counter()
-        loss = model(inputs, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
+        ledger.reset()
+        return parts[label].step(inputs, targets)[0]
 
-    results: dict[str, dict] = {label: {"times": [], "comm": []} for label in models}
-    for label in models:  # warm-up, and one ledger-recorded step each
-        comm.ledger.reset()
+    results: dict[str, dict] = {label: {"comm": []} for label in parts}
+    for label, part in parts.items():  # warm-up, and one ledger-recorded step each
         step(label)
-        results[label]["ledger"] = comm.ledger.step_metrics()
-    comm.ledger.take_seconds()  # the warm-up's time is not measured
-    for _ in range(args.rounds):
-        for label in models:
-            for _ in range(args.steps):
-                results[label]["times"].append(step(label))
-                results[label]["comm"].append(comm.ledger.take_seconds().get("tp", 0.0))
-    for label, (model, _) in models.items():
+        results[label]["ledger"] = part.model.comms.ledger.step_metrics()
+        part.model.comms.ledger.take_seconds()  # the warm-up's time is not measured
+
+    def timed(label: str) -> float:
+        seconds = step(label)
+        comm = parts[label].model.comms.ledger.take_seconds().get("tp", 0.0)
+        results[label]["comm"].append(comm)
+        return seconds
+
+    for label, times in interleave(list(parts), timed, args.rounds, args.steps).items():
+        results[label]["times"] = times
+    for label, part in parts.items():
+        stage = part.model.stages[0]
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = model(inputs, targets)
+            loss = stage(inputs, targets)
         results[label]["act_bytes"] = sum(e.self_cpu_memory_usage for e in prof.events())
         loss.backward()
-        model.zero_grad(set_to_none=True)
+        part.optimizer.zero_grad(set_to_none=True)
     dist.destroy_process_group()
     return results
 
@@ -104,6 +99,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
+    from common import machine
+
     from boostlr.analysis.comm import per_block_forward
     from boostlr.config import build_config
     from boostlr.parallel.launch import launch
@@ -112,10 +109,11 @@ def main() -> None:
     for tp in args.tp:
         run_args = argparse.Namespace(**{**vars(args), "tp": tp})
         res = launch(tp, _rank, run_args)[0]
+        print(f"\n{machine()}")
         print(
-            f"\n# tp_strategies: T={tp}, preset {args.preset}, seq {args.seq_len}, batch "
+            f"# tp_strategies: T={tp}, preset {args.preset}, seq {args.seq_len}, batch "
             f"{args.batch_size}, vocab {args.vocab}, fp32, {args.steps}x{args.rounds} timed steps, "
-            f"device {args.device}, {platform.machine()}"
+            f"device {args.device}"
         )
         header = (
             f"{'config':<24} {'TP MB/step':>11} {'calls':>6} {'recomp MB':>10} "

@@ -77,50 +77,38 @@ def child_reference(args: argparse.Namespace) -> dict:
 
 
 def child_boostlr(args: argparse.Namespace) -> dict:
-    """The trainer's one-device step on the same shape."""
+    """The trainer's one-device step on the same shape (``benchmarks/common.py``)."""
     import torch
+    from common import Part, run_config
 
-    from boostlr.config import build_config
-    from boostlr.models.llama import build_model
-    from boostlr.parallel.collectives import CommLedger, GroupComm
-    from boostlr.parallel.context import TPContext
-    from boostlr.parallel.tensor_parallel import TensorParallelModel, clip_gradients
-    from boostlr.train.host_alloc import keep_freed_host_memory
-    from boostlr.train.optim import build_optimizer
+    from boostlr.train.host_alloc import cache_host_memory
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the trainer on CPU
-    keep_freed_host_memory()  # train.cpu_alloc_cache (default true)
-    cfg = build_config(
-        overrides=[
-            ("model.preset", "60M"),
-            ("model.arch", "cola"),
-            ("model.mlp", "swiglu"),
-            ("train.grad_clip", "0.5"),
-            ("train.weight_decay", "0.01"),
-        ]
+    cache_host_memory()  # train.cpu_alloc_cache (default true), as the trainer's ranks
+    cfg = run_config(
+        {
+            "model.preset": "60M",
+            "model.arch": "cola",
+            "model.mlp": "swiglu",
+            "model.vocab_size": SHAPE["vocab"],
+            "data.seq_len": SHAPE["seq"],
+            "train.batch_size": SHAPE["batch"],
+            "train.grad_clip": 0.5,
+            "train.weight_decay": 0.01,
+            "train.dtype": args.dtype,
+            "train.compile": args.compile,
+            "train.fused_loss": not args.unfused_loss,
+            "parallel.device": "cpu",
+            "parallel.grouping": not args.no_grouping,
+        }
     )
-    cfg.model.vocab_size = SHAPE["vocab"]
-    comm = GroupComm(None, "tp", CommLedger())
-    ctx = TPContext(
-        comm,
-        cfg.model,
-        grouping=not args.no_grouping,
-        compile=args.compile,
-        fused_loss=not args.unfused_loss,
-    )
-    model = TensorParallelModel(build_model(cfg.model, seed=0), None, ctx)
-    optimizer = build_optimizer(model.parameters(), cfg.train)
+    part = Part.build(cfg, torch.device("cpu"))
     tokens = _tokens(torch)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
-        with autocast:
-            loss = model(tokens[:, :-1], targets=tokens[:, 1:])
-        loss.backward()
-        clip_gradients(model, cfg.train.grad_clip, comm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        part.step(inputs, targets)
 
     return {"times": _time_steps(step, args.warmup + (2 if args.compile else 0), args.steps)}
 

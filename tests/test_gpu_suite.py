@@ -14,6 +14,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.py"
 
 @pytest.fixture(scope="module")
 def suite():
+    sys.path.insert(0, str(SCRIPT.parent))  # as when run as a script: benchmarks/common.py
     spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_suite"] = module
