@@ -329,8 +329,11 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             # One block gathered and the next prefetched, with full gradients; the stage's
             # root (embedding, norm, head) is FSDP's root module: gathered from its first
             # forward to the end of the stage's backward, its full gradient reduced last.
+            # FSDP2 also stages each gather (copy-out) and reduce-scatter (copy-in) through
+            # one flat buffer of the unit's size: the largest unit's is the transient.
             blocks = 2 * 2 * FP32 * params.largest_block
-            out["gathered"] = blocks + 2 * FP32 * params.roots
+            staging = FP32 * params.largest_module
+            out["gathered"] = blocks + 2 * FP32 * params.roots + staging
         else:  # parameters stay gathered from forward to backward
             out["gathered"] = FP32 * (params.local + params.largest_module)
     if a == 2:
