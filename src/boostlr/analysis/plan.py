@@ -16,7 +16,15 @@ from typing import Any
 
 from boostlr.analysis.costmodel import Prediction, planning_config, predict
 from boostlr.analysis.hardware import HardwareProfile, as_dict
-from boostlr.config import PP_SCHEDULES, RunConfig, build_config, resolve_model, validate
+from boostlr.config import (
+    PP_SCHEDULES,
+    RunConfig,
+    build_config,
+    resolve_layout,
+    resolve_model,
+    set_value,
+    validate,
+)
 from boostlr.errors import ConfigError
 
 SEARCH_OVERRIDES = [  # --search replaces the layout; model, data and train stay
@@ -43,7 +51,8 @@ def load_config(
     return build_config(file, extra + pairs)
 
 
-def _variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:
+def variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:
+    """``cfg`` with another arch (its rank and MLP re-resolved), strategy and ``act_ckpt``."""
     out = copy.deepcopy(cfg)
     m = out.model
     if arch != m.arch:
@@ -71,7 +80,7 @@ def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
         (lowrank, "vanilla", base_ckpt),
         (lowrank, "btp", ckpt),
     ]
-    return [predict(_variant(cfg, a, s, c), hw) for a, s, c in variants]
+    return [predict(variant(cfg, a, s, c), hw) for a, s, c in variants]
 
 
 # ----------------------------------------------------------------------------- search
@@ -150,7 +159,7 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                             "train.global_batch": "0",
                         }
                         try:
-                            cand = _apply(cfg, over)
+                            cand = apply(cfg, over)
                         except ConfigError:
                             continue
                         tried += 1
@@ -184,16 +193,61 @@ def _copy(cfg: RunConfig) -> RunConfig:
     )
 
 
-def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
+def apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     """``cfg`` with the layout overrides, resolved and validated like the trainer's."""
-    from boostlr.config import resolve_layout, set_value
-
     out = _copy(cfg)
     for key, value in overrides.items():
         set_value(out, key, value)
     resolve_layout(out)
     validate(out)
     return out
+
+
+def families(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(arch, strategy) of the three lines: dense megatron, low-rank vanilla and btp."""
+    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
+    return [("full", "megatron"), (lowrank, "vanilla"), (lowrank, "btp")]
+
+
+def search_form(cfg: RunConfig, gpus: int, global_batch: int) -> RunConfig:
+    """``cfg`` as ``--search --gpus`` builds it (layout reset), with a fixed global batch."""
+    over = dict(SEARCH_OVERRIDES)
+    over["parallel.nproc"] = str(gpus)
+    over["train.global_batch"] = str(global_batch)
+    return apply(cfg, over)
+
+
+def best_layouts(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> dict[str, Candidate | None]:
+    """The fastest fitting layout of ``gpus`` GPUs per strategy line (None: nothing fits).
+
+    ``cfg`` is in search form; one enumeration per arch serves both low-rank lines.
+    """
+    out: dict[str, Candidate | None] = {}
+    by_arch: dict[str, list[Candidate]] = {}
+    for arch, strategy in families(cfg):
+        if arch not in by_arch:
+            base = variant(cfg, arch, "auto", "none") if arch != cfg.model.arch else cfg
+            by_arch[arch] = candidates(base, hw, gpus)[0]
+        allowed = (None, strategy)
+        out[strategy] = next((c for c in by_arch[arch] if c.prediction.strategy in allowed), None)
+    return out
+
+
+def with_preset(cfg: RunConfig, preset: str) -> RunConfig:
+    """``cfg`` with another preset's shape (rank from ``rank_ratio``, the preset's vocab)."""
+    model = dataclasses.replace(
+        cfg.model,
+        preset=preset,
+        dim=None,
+        n_layers=None,
+        n_heads=None,
+        n_kv_heads=None,
+        ffn_dim=None,
+        rank=None,
+        vocab_size=0,
+    )
+    resolve_model(model)
+    return dataclasses.replace(cfg, model=model)
 
 
 # ----------------------------------------------------------------------------- output

@@ -17,9 +17,9 @@ gather (embedding, ``gather``, ``index``, ``nll_loss``) reads the elements it re
 allocation touches nothing, ``copy_`` / ``fill_`` do not read their destination. A DTensor
 operand counts its local shard (the memory this rank touches), not its global shape.
 
-The cost model's op counts and element-wise traffic (``analysis/gemms.py``) are checked
-against this census in ``tests/test_costmodel.py``, and ``boostlr calibrate`` divides the time
-of a tiny block by its census to get the CPU cost of one dispatched op.
+A CPU tool, not part of the package (the cost model does not import it): run it to compare
+the cost model's element-wise bytes and kernel estimate (``analysis/gemms.py``) with what
+torch dispatches for one block of each strategy at TP 1 (``python benchmarks/census.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from boostlr.parallel.ledger import OPS
+from boostlr.parallel.ledger import OPS  # a CPU tool: it may read the engine
 
 GEMMS = ("aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.addmm.default")
 INDEXING = (
