@@ -219,6 +219,23 @@ def test_search_proposes_only_valid_layouts_that_fit(capsys: pytest.CaptureFixtu
     assert code == 2 and "does not fit any" in err
 
 
+def test_search_fits_the_papers_7b_btp_layout_in_40_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    """The BOOST paper trained 7B CoLA under BTP on 4 A100-40GB at its global batch (4
+    sequences of 4096 tokens, one per micro-batch): ``--search`` must find such a layout."""
+    args = ["--hardware", "a100-40gb", "--search", "--gpus", "4", "--json", "--top", "20"]
+    paper = ["--model.preset", "7B", "--model.arch", "cola", "--model.vocab_size", "32000"]
+    paper += ["--data.seq_len", "4096", "--train.dtype", "bfloat16"]
+    paper += ["--train.batch_size", "1", "--train.global_batch", "4"]
+    code, out, _ = _plan(args + paper, capsys)
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    btp = [r for r in rows if r["strategy"] == "btp"]
+    assert btp and all(r["fits"] and r["memory_gb"] <= 40.0 for r in btp)
+    assert all(r["layout"]["global_batch"] == 4 for r in rows)
+    tp4 = [r for r in btp if r["layout"]["tp"] == 4]  # the paper's layout: tp4, 1 x 4
+    assert tp4 and tp4[0]["layout"]["grad_accum"] == 4 and tp4[0]["layout"]["dp"] == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -276,6 +276,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from boostlr.analysis import plan
     from boostlr.analysis.hardware import load_profile
     from boostlr.config import parse_overrides
+    from boostlr.plots.plan import plan_json, print_rows, search_json
 
     if args.plot:
         from boostlr.plots import require_matplotlib
@@ -286,16 +287,16 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)
         if args.json:
-            print(json.dumps(plan.search_json(cands, hw, args.gpus), indent=2))
+            print(json.dumps(search_json(cands, hw, args.gpus), indent=2))
         else:
             preds = [c.prediction for c in cands]
-            plan.print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
+            print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
     else:
         rows = plan.strategy_rows(cfg, hw)
         if args.json:
-            print(json.dumps(plan.plan_json(rows, hw, cfg), indent=2))
+            print(json.dumps(plan_json(rows, hw, cfg), indent=2))
         else:
-            plan.print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+            print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
     if args.plot:
         from boostlr.plots.plan import draw, plot_data
 
@@ -304,7 +305,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:
-    from boostlr.analysis.calibrate import calibrate
+    from boostlr.calibrate import calibrate
 
     if args.procs is not None:
         raise BoostlrError(

@@ -1,28 +1,21 @@
 """Predict a training step: traffic, memory and time of any model x strategy x layout x GPU.
 
-Pure arithmetic on shapes (docs/design.md §6). Bytes come from :mod:`boostlr.analysis.comm`, whose
-formulas the tests check against the ledger of real runs, so ``comm_metrics`` is exactly what
-``ParallelModel.step_metrics`` reports for the same rank. Time is a model:
+Arithmetic on shapes (docs/design.md §6). Bytes come from :mod:`boostlr.analysis.comm`, whose
+formulas the tests check against the ledger of real runs (``comm_metrics`` is exactly what
+``ParallelModel.step_metrics`` reports for the same rank). Time is a model:
 
-* each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, with
-  ``eff`` falling for small dims (``HardwareProfile.gemm_eff``, fitted from measurements);
-  attention kernels on the GEMM roofline times the profile's ``attention_efficiency``;
-* element-wise work (norms, σ, RoPE, products, residual adds, the collectives' copies,
-  BTP's concatenations, the loss), forward and backward, as the bytes the strategies' code
-  moves (``gemms.block_elementwise``) over the memory bandwidth;
-* a launch per kernel: each GEMM, and the non-GEMM kernels a block launches
-  (``gemms.block_kernels``, an estimate from the block's structure). Host-side Python work
-  is assumed to overlap the asynchronous kernels, as on a GPU at the sizes planned here;
-* the optimizer step as the trainer runs it: gradient clipping, then fused AdamW
-  (:func:`optimizer_time`);
-* alpha-beta collectives: ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
-  reduce-scatter half of that, point-to-point ``α + n/B``, on the intra- or inter-node link
-  the group spans (ranks are laid out tp-fastest, then dp, then pp);
-* the pipeline: ``(m·v + p - 1)`` slots of one virtual stage's time (the bubble is the
-  ``p - 1`` extra), every slot waiting for one receive each way;
-* overlap: FSDP prefetches and reduces in the background, so only the dp time beyond the
-  step's compute (plus one module's gather and reduce-scatter) is exposed. No strategy here
-  overlaps its TP collectives: they sit on the autograd critical path.
+* each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, ``eff``
+  falling for small dims; attention on it times ``attention_efficiency``;
+* element-wise work (``gemms.block_elementwise``) as bytes over the effective bandwidth, and
+  a launch per kernel (each GEMM, and ``gemms.block_kernels``' estimate of the rest); host
+  Python is assumed to overlap the asynchronous kernels, as on a GPU;
+* the optimizer step as the trainer runs it: clipping, then fused AdamW;
+* alpha-beta collectives (ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
+  reduce-scatter half of that, point-to-point ``α + n/B``) on the intra- or inter-node link
+  the group spans (ranks laid out tp-fastest, then dp, then pp);
+* the pipeline: ``(m·v + p - 1)`` slots of one virtual stage (the bubble is the ``p - 1``);
+* overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; TP
+  collectives sit on the autograd critical path.
 """
 
 from __future__ import annotations

@@ -201,10 +201,8 @@ def block_elementwise(
 ) -> ElementWise:
     """Non-GEMM traffic of one block on one TP rank, forward and backward.
 
-    Element passes per token (see the constants above) times ``act`` bytes per element; at
-    fp32 this is what a census of the dispatched ops counts (within a few %: per-token
-    statistics and norm gains are left out). Under bf16 autocast the same passes are costed at
-    2 bytes (the norms' fp32 internals and autocast's casts are not modelled).
+    Element passes per token (the constants above) times ``act`` bytes per element (under
+    bf16 autocast 2: the norms' fp32 internals and autocast's casts are not modelled).
     """
     t = tp if strategy else 1
     if strategy == "btp" or (strategy is None and cfg.lowrank and grouping):
@@ -243,12 +241,8 @@ def _btp_elementwise(
     cfg: ModelConfig, t: int, tokens: int, act: int, layer: int, grouping: bool, overlap: bool
 ) -> ElementWise:
     """BTP's block (``parallel/btp.py``) on a d-sharded residual; ``t = 1``: one device.
-
-    ``overlap`` (``parallel.tp_overlap``, TP > 1): each up-projection's backward is one GEMM
-    per B (no stacked gradients) plus the concatenated input gradients it sends off.
-    """
-    # Grouped up-projections are one autograd Function (its backward: one GEMM per B);
-    # with overlap at TP > 1 it also concatenates the input gradients it sends off.
+    With ``overlap`` at TP > 1 the grouped up-projection's backward also concatenates the
+    input gradients it sends off."""
     sends = overlap and grouping and t > 1
     d, kv, f, r = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t, cfg.rank
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
@@ -299,16 +293,11 @@ def _btp_elementwise(
 # logits, the embedding's dense gradient (the whole table slice written).
 CE_VOCAB_PARALLEL = (8, 4)
 CE_LOCAL = (2, 4)
-# The fused head + loss (parallel/head_loss.py), bytes per logit of the rank's v, by
-# activation size: one device / vocabulary-parallel. fp32: log-softmax and exp into the
-# buffer (2 + 2 passes), vocab-parallel also the row max and the rescale to the global
-# softmax; bf16: the chunk's cast to fp32 first, the exp written back as bf16, the max and
-# rescale on bf16. Plus ~180 B of per-token bookkeeping (targets, gathers, the loss), and in
-# the backward the two d-wide gradients scaled by 1/N (fp32 16 B per d; bf16 28 B: the
-# casts around them).
-CE_FUSED_LOGIT = {4: (16, 28), 2: (20, 26)}
-CE_FUSED_ROWS = 180
-CE_FUSED_BWD = {4: 16, 2: 28}
+# The fused head + loss (parallel/head_loss.py), fp32 bytes per logit of the rank's v: the
+# chunk's log-softmax and exp (4 passes), vocabulary-parallel also the row max and the rescale
+# to the global softmax (3 more); its backward writes the two d-wide input gradients.
+CE_FUSED_LOGIT = (16, 28)
+CE_FUSED_BWD = 16
 
 
 ROPE_TABLES = 8.5  # cos and sin tables per forward: passes over [seq, head_dim] (fp32)
@@ -332,8 +321,8 @@ def head_elementwise(
     fused_f = fused_b = 0  # bytes per token
     if fused:  # the loss's work is these bytes, not passes over the logits
         ce_f, ce_b = 0, 0
-        fused_f = CE_FUSED_LOGIT[act][t > 1] * v + CE_FUSED_ROWS
-        fused_b = CE_FUSED_BWD[act] * d
+        fused_f = CE_FUSED_LOGIT[t > 1] * v
+        fused_b = CE_FUSED_BWD * d
     else:
         ce_f, ce_b = CE_LOCAL if t == 1 else CE_VOCAB_PARALLEL
     if t == 1:

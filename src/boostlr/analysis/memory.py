@@ -87,7 +87,6 @@ class RankParams:
     local: int  # elements after tensor-parallel sharding
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
-    tensors: int = 0  # parameter tensors (the optimizer's per-tensor ops on a CPU)
 
     @property
     def sharded(self) -> int:
@@ -130,7 +129,7 @@ def _rank_params(
     tp, dp = p.tp, p.dp
     local = 0
     modules: list[int] = []
-    largest = tensors = 0
+    largest = 0
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks = {i: 0 for i in layers}
@@ -154,7 +153,6 @@ def _rank_params(
             n = math.prod(dims)
             padded = -(-dims[0] // dp) * math.prod(dims[1:])
             local += n
-            tensors += 1
             if layer is None:
                 root += padded
                 root_local += n
@@ -163,7 +161,7 @@ def _rank_params(
                 block_local[layer] += n
         modules += [*blocks.values(), root]
         largest = max([largest, root_local, *block_local.values()])
-    return RankParams(local, tuple(modules), largest, tensors)
+    return RankParams(local, tuple(modules), largest)
 
 
 def activation_bytes_per_block(

@@ -12,10 +12,9 @@ import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 from boostlr.analysis.costmodel import Prediction, planning_config, predict
-from boostlr.analysis.hardware import HardwareProfile, as_dict
+from boostlr.analysis.hardware import HardwareProfile
 from boostlr.config import (
     PP_SCHEDULES,
     RunConfig,
@@ -72,15 +71,9 @@ def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     Each row keeps the config's ``act_ckpt`` where it applies; ``lowrank`` (BTP regions only)
     becomes ``block`` for the two baselines, as in the paper-layout configs.
     """
-    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
     ckpt = cfg.parallel.act_ckpt
-    base_ckpt = "block" if ckpt == "lowrank" else ckpt
-    variants = [
-        ("full", "megatron", base_ckpt),
-        (lowrank, "vanilla", base_ckpt),
-        (lowrank, "btp", ckpt),
-    ]
-    return [predict(variant(cfg, a, s, c), hw) for a, s, c in variants]
+    base = "block" if ckpt == "lowrank" else ckpt
+    return [predict(variant(cfg, a, s, ckpt if s == "btp" else base), hw) for a, s in families(cfg)]
 
 
 # ----------------------------------------------------------------------------- search
@@ -235,102 +228,7 @@ def best_layouts(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> dict[str, Ca
 
 def with_preset(cfg: RunConfig, preset: str) -> RunConfig:
     """``cfg`` with another preset's shape (rank from ``rank_ratio``, the preset's vocab)."""
-    model = dataclasses.replace(
-        cfg.model,
-        preset=preset,
-        dim=None,
-        n_layers=None,
-        n_heads=None,
-        n_kv_heads=None,
-        ffn_dim=None,
-        rank=None,
-        vocab_size=0,
-    )
+    shape = dict.fromkeys(("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rank"))
+    model = dataclasses.replace(cfg.model, preset=preset, vocab_size=0, **shape)
     resolve_model(model)
     return dataclasses.replace(cfg, model=model)
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def plan_json(rows: list[Prediction], hw: HardwareProfile, cfg: RunConfig) -> dict[str, Any]:
-    out_rows = [r.row() for r in rows]
-    btp = next((r for r in rows if r.strategy == "btp"), None)
-    if btp is not None:
-        for row, pred in zip(out_rows, rows, strict=True):
-            row["btp_speedup"] = pred.step_time / btp.step_time
-    return {
-        "rows": out_rows,
-        "hardware": as_dict(hw),
-        "layout": rows[0].layout if rows else None,
-        "model": {
-            "preset": cfg.model.preset,
-            "dim": cfg.model.dim,
-            "n_layers": cfg.model.n_layers,
-            "ffn_dim": cfg.model.ffn_dim,
-            "rank": _rank_of(cfg),
-        },
-    }
-
-
-def _rank_of(cfg: RunConfig) -> int | None:
-    return cfg.model.rank if cfg.model.lowrank else round(cfg.model.rank_ratio * cfg.model.dim)
-
-
-def search_json(cands: list[Candidate], hw: HardwareProfile, gpus: int) -> dict[str, Any]:
-    return {
-        "rows": [{**c.prediction.row(), "overrides": c.overrides} for c in cands],
-        "hardware": as_dict(hw),
-        "layout": {"gpus": gpus},
-    }
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
-
-
-def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    btp = next((r for r in rows if r.strategy == "btp"), None)
-    table = Table(title=title)
-    for col in (
-        "arch",
-        "strategy",
-        "layout",
-        "step s",
-        "compute s",
-        "exposed comm s",
-        "bubble s",
-        "TP GB/block fwd",
-        "GEMM intensity min/mean",
-        "memory GB/GPU",
-        "fits",
-        "btp speed-up",
-    ):
-        table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
-    for r in rows:
-        row = r.row()
-        lay = r.layout
-        layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
-        if lay["pp"] > 1:
-            layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
-        if lay["dp"] > 1:
-            layout += f" {lay['dp_mode']}"
-        table.add_row(
-            r.arch,
-            r.strategy or "none (tp 1)",
-            layout,
-            f"{r.step_time:.3f}",
-            f"{r.compute:.3f}",
-            f"{r.comm:.3f}",
-            f"{r.bubble:.3f}",
-            f"{r.tp_bytes_fwd_per_block / 2**30:.3f}",
-            f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
-            f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
-            "yes" if r.fits else "NO",
-            f"{r.step_time / btp.step_time:.2f}x" if btp else "-",
-        )
-    console = Console()
-    Console(width=max(console.width, 160)).print(table)

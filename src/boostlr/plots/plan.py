@@ -1,5 +1,6 @@
-"""``boostlr plan --plot``: the cost model's three views of a config, as one PNG (the
-layout searches are :mod:`boostlr.analysis.plan`'s; this module only draws).
+"""``boostlr plan``'s views of the cost model: its JSON, its table, and with ``--plot`` three
+figures of a config as one PNG (the layout searches are :mod:`boostlr.analysis.plan`'s; this
+module only presents them).
 
 (a) **Step-time breakdown** per strategy (dense ``full`` + ``megatron``, the config's low-rank
     arch under ``vanilla`` and ``btp``): compute, exposed communication and pipeline bubble, at
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from boostlr.analysis.costmodel import Prediction
-from boostlr.analysis.hardware import HardwareProfile
+from boostlr.analysis.hardware import HardwareProfile, as_dict
 from boostlr.analysis.plan import (
     Candidate,
     best_layouts,
@@ -239,3 +240,89 @@ def draw(data: dict[str, Any], path: Path) -> None:
 
 def _layout_text(r: dict[str, Any]) -> str:
     return _short(r["layout"]) if "layout" in r else ""
+
+
+# ----------------------------------------------------------------------------- JSON and table
+
+
+def plan_json(rows: list[Prediction], hw: HardwareProfile, cfg: RunConfig) -> dict[str, Any]:
+    out_rows = [r.row() for r in rows]
+    btp = next((r for r in rows if r.strategy == "btp"), None)
+    if btp is not None:
+        for row, pred in zip(out_rows, rows, strict=True):
+            row["btp_speedup"] = pred.step_time / btp.step_time
+    return {
+        "rows": out_rows,
+        "hardware": as_dict(hw),
+        "layout": rows[0].layout if rows else None,
+        "model": {
+            "preset": cfg.model.preset,
+            "dim": cfg.model.dim,
+            "n_layers": cfg.model.n_layers,
+            "ffn_dim": cfg.model.ffn_dim,
+            "rank": _rank_of(cfg),
+        },
+    }
+
+
+def _rank_of(cfg: RunConfig) -> int | None:
+    return cfg.model.rank if cfg.model.lowrank else round(cfg.model.rank_ratio * cfg.model.dim)
+
+
+def search_json(cands: list[Candidate], hw: HardwareProfile, gpus: int) -> dict[str, Any]:
+    return {
+        "rows": [{**c.prediction.row(), "overrides": c.overrides} for c in cands],
+        "hardware": as_dict(hw),
+        "layout": {"gpus": gpus},
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    btp = next((r for r in rows if r.strategy == "btp"), None)
+    table = Table(title=title)
+    for col in (
+        "arch",
+        "strategy",
+        "layout",
+        "step s",
+        "compute s",
+        "exposed comm s",
+        "bubble s",
+        "TP GB/block fwd",
+        "GEMM intensity min/mean",
+        "memory GB/GPU",
+        "fits",
+        "btp speed-up",
+    ):
+        table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
+    for r in rows:
+        row = r.row()
+        lay = r.layout
+        layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
+        if lay["pp"] > 1:
+            layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
+        if lay["dp"] > 1:
+            layout += f" {lay['dp_mode']}"
+        table.add_row(
+            r.arch,
+            r.strategy or "none (tp 1)",
+            layout,
+            f"{r.step_time:.3f}",
+            f"{r.compute:.3f}",
+            f"{r.comm:.3f}",
+            f"{r.bubble:.3f}",
+            f"{r.tp_bytes_fwd_per_block / 2**30:.3f}",
+            f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
+            f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
+            "yes" if r.fits else "NO",
+            f"{r.step_time / btp.step_time:.2f}x" if btp else "-",
+        )
+    console = Console()
+    Console(width=max(console.width, 160)).print(table)

@@ -10,7 +10,9 @@ It measures what a profile holds, on CUDA when a GPU is visible (else on this CP
 * the link: all-reduce latency and bandwidth between two processes (NCCL on two GPUs, gloo
   on the CPU; one GPU alone keeps the link of ``--like``, default ``h100-sxm``, and says so).
 
-The cost model reads nothing else, so nothing else is measured.
+The cost model reads nothing else, so nothing else is measured. This module sits beside the
+cost model (``boostlr.analysis``), not in it: planning is arithmetic on shapes, while this runs
+kernels on a device and spawns processes.
 """
 
 from __future__ import annotations
@@ -83,20 +85,23 @@ def fit_gemm(samples: list[tuple], bandwidth: float, launch: float, elem: int) -
 
 
 def measure_memory(device: torch.device) -> tuple[float, float, float]:
-    """(copy bytes/s, element-wise fraction of it, seconds per small kernel)."""
+    """(copy bytes/s, element-wise fraction of it, seconds per small kernel of a training
+    step: its forward under autograd and its backward, so dispatch counts as on a step)."""
     n = 64 * 2**20 if device.type == "cuda" else 8 * 2**20
     a, b = torch.randn(n, device=device), torch.randn(n, device=device)
     dst = torch.empty_like(a)
     copy = 2 * n * 4 / _time(lambda: dst.copy_(a), device)
     add = 3 * n * 4 / _time(lambda: torch.add(a, b, out=dst), device)
-    tiny = torch.ones(8, device=device)
-    chain = 100
+    tiny = torch.ones(8, device=device, requires_grad=True)
+    chain = 64
 
-    def small() -> None:
+    def small() -> None:  # as a training step's ops run: recorded forward, then backward
+        y = tiny
         for _ in range(chain):
-            torch.add(tiny, tiny, out=tiny)
+            y = y * 1.0001
+        y.sum().backward()
 
-    return copy, min(1.0, add / copy), _time(small, device) / chain
+    return copy, min(1.0, add / copy), _time(small, device) / (2 * chain)
 
 
 def fit_attention(samples: list[tuple], peak: float, eff: float, half: float) -> float:
@@ -266,8 +271,9 @@ def calibrate(
         "# Written by `boostlr calibrate` from measurements on this device (see [measurements]):\n"
         "# peak = best GEMM rate; gemm_efficiency/gemm_half_dim fitted to the GEMM sweep;\n"
         "# hbm_gbps = a large copy; memory_efficiency = an eager add's bandwidth over it;\n"
-        "# launch_us = one small kernel; attention_efficiency = causal SDPA forward + backward\n"
-        f"# over the GEMM roofline; links = {link_source}.\n"
+        "# launch_us = a small op's forward + backward under autograd, per kernel;\n"
+        "# attention_efficiency = causal SDPA forward + backward over the GEMM roofline;\n"
+        f"# links = {link_source}.\n"
     )
     path.write_text(header + profile.to_toml())
     return path, profile
