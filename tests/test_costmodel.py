@@ -414,3 +414,37 @@ def test_optimizer_passes_are_torchs() -> None:
         torch.nn.utils.clip_grads_with_norm_([p], 1.0, norm)
     assert len(traffic.ops) == len(CLIP_PASSES), traffic.ops
     assert traffic.bytes == sum(CLIP_PASSES) * n
+
+
+# --- boostlr calibrate's fits ---------------------------------------------------------------
+
+
+def test_calibrate_fits_recover_the_constants_they_were_made_with() -> None:
+    """The GEMM curve and the link come back from timings made with known constants."""
+    from boostlr.calibrate import GEMM_SHAPES, fit_allreduce, fit_gemm
+
+    peak, eff, half, bw, launch = 300e12, 0.8, 128.0, 2e12, 5e-6
+
+    def seconds(m: int, k: int, n: int) -> float:
+        shape = (m / (m + half)) * (k / (k + half)) * (n / (n + half))
+        compute = 2 * m * k * n / (peak * eff * shape)
+        return max(compute, (m * k + k * n + m * n) * 2 / bw) + launch
+
+    samples = [(m, k, n, seconds(m, k, n)) for m, k, n in GEMM_SHAPES]
+    best, e, h = fit_gemm(samples, bw, launch, 2)
+    for m, k, n, t in samples:  # the fitted roofline reproduces every timing
+        shape = (m / (m + h)) * (k / (k + h)) * (n / (n + h))
+        fitted = max(2 * m * k * n / (best * e * shape), (m * k + k * n + m * n) * 2 / bw)
+        assert fitted + launch == pytest.approx(t, rel=0.05), (m, k, n)
+    alpha, link_bw = 20e-6, 50e9
+    link = fit_allreduce(
+        [(n, 2 * (alpha + launch) + n / link_bw) for n in (2**16, 2**20, 2**24)], launch
+    )
+    assert link.latency == pytest.approx(alpha, rel=1e-6)
+    assert link.bandwidth == pytest.approx(link_bw, rel=1e-6)
+
+
+def test_calibrate_procs_was_removed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--procs", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--procs was removed" in err[0]
