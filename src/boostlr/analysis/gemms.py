@@ -379,7 +379,7 @@ def block_kernels(
         if cfg.arch == "lax" and layer == 0:
             lf -= 1
         fwd, bwd = fwd + 7 * lf, bwd + 7 * lb
-        if strategy == "btp" or grouping:
+        if strategy == "btp" or (strategy is None and grouping):  # BTP's block runs
             fwd, bwd = fwd + 2 * GROUP_KERNELS[0], bwd + 2 * GROUP_KERNELS[1]
             fwd, bwd = fwd + WEIGHT_CAT_KERNELS[0], bwd + WEIGHT_CAT_KERNELS[1]
     if t > 1:  # one copy per collective (the collective itself is costed with the link)
