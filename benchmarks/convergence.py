@@ -37,7 +37,7 @@ import torch
 from boostlr.config import RunConfig, build_config
 from boostlr.data import prepare_dataset
 from boostlr.models.counting import count_params, flops_per_token
-from boostlr.plot import load_run, plot_runs
+from boostlr.plots.runs import load_run, plot_runs
 from boostlr.train import run as trainer
 from boostlr.train.checkpoint import newest_checkpoint
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
@@ -219,6 +219,23 @@ def test_search_proposes_only_valid_layouts_that_fit(capsys: pytest.CaptureFixtu
     assert code == 2 and "does not fit any" in err
 
 
+def test_search_fits_the_papers_7b_btp_layout_in_40_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    """The BOOST paper trained 7B CoLA under BTP on 4 A100-40GB at its global batch (4
+    sequences of 4096 tokens, one per micro-batch): ``--search`` must find such a layout."""
+    args = ["--hardware", "a100-40gb", "--search", "--gpus", "4", "--json", "--top", "20"]
+    paper = ["--model.preset", "7B", "--model.arch", "cola", "--model.vocab_size", "32000"]
+    paper += ["--data.seq_len", "4096", "--train.dtype", "bfloat16"]
+    paper += ["--train.batch_size", "1", "--train.global_batch", "4"]
+    code, out, _ = _plan(args + paper, capsys)
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    btp = [r for r in rows if r["strategy"] == "btp"]
+    assert btp and all(r["fits"] and r["memory_gb"] <= 40.0 for r in btp)
+    assert all(r["layout"]["global_batch"] == 4 for r in rows)
+    tp4 = [r for r in btp if r["layout"]["tp"] == 4]  # the paper's layout: tp4, 1 x 4
+    assert tp4 and tp4[0]["layout"]["grad_accum"] == 4 and tp4[0]["layout"]["dp"] == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -255,13 +272,7 @@ def test_profiles_load_and_user_profiles_win(
         gpus_per_node=2,
         device="cpu",
         attention_efficiency=0.3,
-        host_op=8e-6,  # values that survive the µs round trip exactly
-        dtensor_param=1.5e-4,
-        dtensor_step=6.25e-5,
-        collective_host=1.25e-4,
-        sync_wait=1e-3,
-        silu_rate=1.5e9,
-        silu_bwd_rate=1.2e9,
+        launch=8e-6,  # a value that survives the µs round trip exactly
     )
     (tmp_path / "local.toml").write_text(mine.to_toml())
     assert load_profile("local") == replace(mine, extra={})
@@ -300,7 +311,7 @@ def test_plot_points_are_the_searchs_best_layouts() -> None:
     """Each scaling point is ``--search``'s fastest layout for its line, on its GPU count,
     with the curve's one global batch; weak-scaling points hold their sequences per GPU."""
     from boostlr.analysis import plan
-    from boostlr.analysis.plot import plot_data, search_form
+    from boostlr.plots.plan import plot_data
 
     hw = load_profile("a100-40gb")
     cfg = build_config(overrides=[("model.preset", "small"), ("train.batch_size", "4")])
@@ -313,11 +324,11 @@ def test_plot_points_are_the_searchs_best_layouts() -> None:
         for s, p in points.items():
             assert p["layout"]["gpus"] == n and p["layout"]["global_batch"] == 64
             assert p["strategy"] in (None, s)
-        base = search_form(cfg, n, 64)
+        base = plan.search_form(cfg, n, 64)
         best = plan.search(base, hw, n, top=1)[0].prediction.step_time
         lowrank = min(points["vanilla"]["step_time_s"], points["btp"]["step_time_s"])
         assert lowrank == pytest.approx(best)
-        dense = plan.search(plan._variant(base, "full", "auto", "none"), hw, n, top=1)[0]
+        dense = plan.search(plan.variant(base, "full", "auto", "none"), hw, n, top=1)[0]
         assert points["megatron"]["step_time_s"] == pytest.approx(dense.prediction.step_time)
     assert data["weak"]["sequences_per_gpu"] == 4
     for row in data["weak"]["rows"]:
@@ -350,8 +361,6 @@ class _Traffic:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
-        from boostlr.analysis.census import tensor_operands
-
         counter = self
 
         class Mode(TorchDispatchMode):
@@ -360,11 +369,15 @@ class _Traffic:
                 out = func(*args, **kwargs)
                 read = written = 0
                 operands: list[torch.Tensor] = []
-                for is_write, tensors in tensor_operands(func, args, kwargs):
+                schema = func._schema.arguments
+                bound = list(zip(schema, args, strict=False))
+                bound += [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
+                for arg, value in bound:
+                    tensors = [t for t in tree_leaves(value) if torch.is_tensor(t)]
                     big = [t for t in tensors if t.numel() >= n]
                     operands += big
                     read += sum(t.numel() * t.element_size() for t in big)
-                    if is_write:
+                    if arg.alias_info is not None and arg.alias_info.is_write:
                         written += sum(t.numel() * t.element_size() for t in big)
                 for t in tree_leaves(out):
                     fresh = not any(t is u for u in operands)
@@ -381,7 +394,6 @@ class _Traffic:
 def test_optimizer_passes_are_torchs() -> None:
     """The cost model's clipping passes and its one fused AdamW kernel are what torch
     dispatches: the same number of ops and the same operand bytes per element."""
-    from boostlr.analysis.census import OpCensus
     from boostlr.analysis.costmodel import CLIP_PASSES
     from boostlr.config import TrainConfig
     from boostlr.train.optim import build_optimizer
@@ -391,12 +403,11 @@ def test_optimizer_passes_are_torchs() -> None:
     p.grad = torch.randn(n, 2)
     opt = build_optimizer([p], TrainConfig())  # the trainer's optimizer
     opt.step()  # state exists: the step below is a steady-state one
-    census = OpCensus()
-    with census:
-        opt.step()
-    adam = [(name, count) for (_, name), count in census.by_name.items() if "adam" in name]
-    assert adam == [("aten._fused_adamw_.default", 1)], census.by_name
     n = 2 * n
+    traffic = _Traffic(n)
+    with traffic.mode:
+        opt.step()
+    assert [op for op in traffic.ops if "adam" in op] == ["aten._fused_adamw_.default"]
     traffic = _Traffic(n)
     with traffic.mode:  # what ParallelModel.clip_gradients runs on plain tensors
         norm = torch.nn.utils.get_total_norm([p.grad], 2.0)
@@ -405,240 +416,35 @@ def test_optimizer_passes_are_torchs() -> None:
     assert traffic.bytes == sum(CLIP_PASSES) * n
 
 
-# --- op counts and element-wise traffic, counted in what torch dispatches -----------------
-
-CENSUS_SHAPE = {"model.dim": 96, "model.ffn_dim": 256, "model.n_heads": 4, "model.rank": 24}
-CENSUS_TOKENS = (2, 16)  # sequences, sequence length
-EW_TOL = 0.06  # per-token statistics and norm gains are left out of the formulas
-TP_CASES = [
-    ("full", "megatron", 4),
-    ("full", "megatron", 2),  # GQA: n_kv_heads < n_heads
-    ("cola", "vanilla", 4),
-    ("cola", "vanilla", 2),
-    ("svd", "vanilla", 4),
-    ("lax", "vanilla", 4),
-    ("cola", "btp", 4),
-    ("cola", "btp", 2),
-    ("svd", "btp", 4),
-    ("lax", "btp", 4),
-    ("full", "megatron", 4, "unfused"),
-    ("cola", "btp", 4, "unfused"),
-    ("cola", "btp", 4, "blocking"),  # parallel.tp_overlap off
-]
-ONE_DEVICE_CASES = [("full", "auto", 4), ("full", "auto", 2), ("cola", "auto", 4)]
-ONE_DEVICE_CASES += [("cola", "auto", 2), ("svd", "auto", 4), ("lax", "auto", 4)]
-# The unfused head + loss (train.fused_loss false; pipelines), one device and vocab-parallel.
-ONE_DEVICE_CASES += [("cola", "auto", 4, "unfused")]
-# The fused loss in 4 chunks of 8 tokens (the vocabulary of 96 at 8 rows per chunk).
-ONE_DEVICE_CASES += [("cola", "auto", 4, "chunked")]
+# --- boostlr calibrate's fits ---------------------------------------------------------------
 
 
-@contextmanager
-def _chunking(flags: list[str]):
-    """``chunked`` cases: the fused loss's chunks shrunk to 8 rows of the census vocabulary."""
-    from boostlr.parallel import head_loss
+def test_calibrate_fits_recover_the_constants_they_were_made_with() -> None:
+    """The GEMM curve and the link come back from timings made with known constants."""
+    from boostlr.calibrate import GEMM_SHAPES, fit_allreduce, fit_gemm
 
-    saved = head_loss.CHUNK_BYTES
-    if "chunked" in flags:
-        head_loss.CHUNK_BYTES = 8 * 4 * 96
-    try:
-        yield
-    finally:
-        head_loss.CHUNK_BYTES = saved
+    peak, eff, half, bw, launch = 300e12, 0.8, 128.0, 2e12, 5e-6
 
+    def seconds(m: int, k: int, n: int) -> float:
+        shape = (m / (m + half)) * (k / (k + half)) * (n / (n + half))
+        compute = 2 * m * k * n / (peak * eff * shape)
+        return max(compute, (m * k + k * n + m * n) * 2 / bw) + launch
 
-def _census_config(arch: str, strategy: str, kv_heads: int, tp: int, *flags: str):
-    b, s = CENSUS_TOKENS
-    over = {
-        "model.preset": "tiny",
-        "model.arch": arch,
-        **CENSUS_SHAPE,
-        "model.n_kv_heads": kv_heads,
-        "model.vocab_size": 96,
-        "model.n_layers": 2,
-        "data.seq_len": s,
-        "train.batch_size": b,
-        "parallel.tp": tp,
-        "parallel.tp_strategy": strategy,
-        "train.fused_loss": "unfused" not in flags,
-        "parallel.tp_overlap": "blocking" not in flags,
-    }
-    return build_config(overrides=[(k, str(v)) for k, v in over.items()])
-
-
-def _census_of(census) -> dict:
-    return {
-        "ops": tuple(census.count(p, k) for p in ("fwd", "bwd") for k in ("kernel", "view")),
-        "bytes": (census.moved("fwd", "kernel"), census.moved("bwd", "kernel")),
-    }
-
-
-def take_census(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
-    """Each case: both blocks on their own, then the whole forward + backward (the rest of
-    it is the head: embedding, RoPE tables, final norm, LM head, loss)."""
-    from boostlr.analysis.census import OpCensus, census_backward
-    from boostlr.models.llama import rope_tables
-    from boostlr.parallel.engine import ParallelModel
-    from boostlr.parallel.tensor_parallel import LATENT_NAMES
-
-    out = {}
-    b, s = CENSUS_TOKENS
-    for case in cases:
-        arch, strategy, kv_heads, *flags = case
-        cfg = _census_config(arch, strategy, kv_heads, world, *flags)
-        part = ParallelModel.build(cfg, torch.device("cpu")).stages[0]
-        r = cfg.model.rank
-        width = cfg.model.dim // world if strategy == "btp" else cfg.model.dim
-        rope = rope_tables(cfg.model, s)
-        result = {}
-        for layer in ("0", "1"):
-            block = part.model.layers[layer]
-            x = torch.randn(b, s, width, requires_grad=True)
-            z = None
-            if arch == "lax" and layer == "1":
-                z = {n: torch.randn(b, s, r, requires_grad=True) for n in LATENT_NAMES}
-            part._block_impl(block, x, rope, z)  # warm: DTensor's caches fill on first use
-            part.zero_grad(set_to_none=True)  # gradients are set, not accumulated, as in a step
-            census = OpCensus()
-            with census:
-                y, z_out = part._block_impl(block, x, rope, z)
-            census_backward(census, [y, *(z_out or {}).values()])
-            result[layer] = _census_of(census)
-        tokens = torch.randint(0, 96, (b, s + 1), generator=torch.Generator().manual_seed(0))
-        part(tokens[:, :-1], targets=tokens[:, 1:]).backward()  # warm
-        part.zero_grad(set_to_none=True)
-        census = OpCensus()
-        with _chunking(flags), census:
-            loss = part(tokens[:, :-1], targets=tokens[:, 1:])
-        census_backward(census, [loss])
-        result["step"] = _census_of(census)
-        out[case] = result
-    return out
-
-
-def _check_census(tp: int, counted: dict) -> None:
-    from boostlr.analysis.gemms import (
-        block_elementwise,
-        block_ops,
-        head_elementwise,
-        head_ops,
+    samples = [(m, k, n, seconds(m, k, n)) for m, k, n in GEMM_SHAPES]
+    best, e, h = fit_gemm(samples, bw, launch, 2)
+    for m, k, n, t in samples:  # the fitted roofline reproduces every timing
+        shape = (m / (m + h)) * (k / (k + h)) * (n / (n + h))
+        fitted = max(2 * m * k * n / (best * e * shape), (m * k + k * n + m * n) * 2 / bw)
+        assert fitted + launch == pytest.approx(t, rel=0.05), (m, k, n)
+    alpha, link_bw = 20e-6, 50e9
+    link = fit_allreduce(
+        [(n, 2 * (alpha + launch) + n / link_bw) for n in (2**16, 2**20, 2**24)], launch
     )
-
-    b, s = CENSUS_TOKENS
-    for label, result in counted.items():
-        arch, strategy, kv_heads, *flags = label
-        cfg = _census_config(arch, strategy, kv_heads, tp, *flags)
-        m, run = cfg.model, cfg.parallel.strategy_for(arch)
-        fused = cfg.train.fused_loss
-        for layer in (0, 1):
-            got = result[str(layer)]
-            overlap = cfg.parallel.tp_overlap
-            ops = block_ops(m, run, tp, layer, overlap=overlap)
-            want = (ops.kernels_fwd, ops.views_fwd, ops.kernels_bwd, ops.views_bwd)
-            assert got["ops"] == want, (label, layer, got["ops"], want)
-            ew = block_elementwise(m, run, tp, b * s, 4, layer, overlap=overlap)
-            for model, census in zip((ew.fwd, ew.bwd), got["bytes"], strict=True):
-                assert abs(model / census - 1) <= EW_TOL, (label, layer, model, census)
-        if arch == "lax":  # the lone blocks' latent gradients differ from the chained ones
-            continue
-        step, one, two = (result[k] for k in ("step", "0", "1"))
-        rest_ops = tuple(
-            a - b0 - b1 for a, b0, b1 in zip(step["ops"], one["ops"], two["ops"], strict=True)
-        )
-        with _chunking(flags):
-            ops = head_ops(m, run, tp, b * s, fused)
-        assert rest_ops == (ops.kernels_fwd, ops.views_fwd, ops.kernels_bwd, ops.views_bwd), label
-        rest = [
-            a - b0 - b1 for a, b0, b1 in zip(step["bytes"], one["bytes"], two["bytes"], strict=True)
-        ]
-        ew = head_elementwise(m, run, tp, b * s, 4, s, fused)
-        for model, census in zip((ew.fwd, ew.bwd), rest, strict=True):
-            assert abs(model / census - 1) <= EW_TOL, (label, "head", model, census)
-
-
-def test_op_counts_and_elementwise_traffic_are_torchs() -> None:
-    """``gemms.BLOCK_OPS`` / ``HEAD_OPS`` are the ops torch dispatches for every strategy and
-    arch (exactly), and ``block_elementwise`` / ``head_elementwise`` the bytes its non-GEMM
-    kernels move (within a few %), forward and backward: at TP 2 on real gloo ranks and on
-    one device."""
-    _check_census(1, take_census(0, 1, ONE_DEVICE_CASES))
-    _check_census(2, run_distributed(take_census, 2, TP_CASES, timeout_s=300)[0])
-
-
-# --- boostlr calibrate's fits -------------------------------------------------------------
-
-
-def test_collective_timings_repeat_equally_on_every_rank() -> None:
-    """calibrate times all-reduces a fixed number of times (a time budget let one rank run
-    more calls than the other: a hang until gloo's timeout). ``budget=0`` runs exactly the
-    warm-up plus ``min_reps`` calls however slow each is."""
-    from boostlr.analysis.calibrate import ALLREDUCE_BYTES, _time, allreduce_reps
-
-    calls = []
-
-    def slow() -> None:
-        calls.append(1)
-
-    _time(slow, budget=0.0, min_reps=7, clock=lambda: float(len(calls)) * 10.0)
-    assert len(calls) == 8
-    assert [allreduce_reps(n) for n in ALLREDUCE_BYTES] == [50, 50, 50, 50, 16, 5]
-
-
-def test_allreduce_fit_is_not_set_by_one_slow_payload() -> None:
-    """A payload timed while the machine was busy (10x its neighbours) does not make the
-    latency: the fit weighs every payload by its relative error and drops the outlier."""
-    from boostlr.analysis.calibrate import fit_allreduce
-
-    alpha, bw = 80e-6, 1.5e9  # per ring step, bytes/s: t = 2 alpha + n / bw at 2 ranks
-    sizes = [4**i * 4096 for i in range(6)]
-    samples = [(n, 2 * alpha + n / bw) for n in sizes]
-    link = fit_allreduce(samples, launch=0.0)
     assert link.latency == pytest.approx(alpha, rel=1e-6)
-    assert link.bandwidth == pytest.approx(bw, rel=1e-6)
-    samples[2] = (sizes[2], 10 * samples[2][1])
-    link = fit_allreduce(samples, launch=0.0)
-    assert link.latency == pytest.approx(alpha, rel=1e-6)
-    assert link.bandwidth == pytest.approx(bw, rel=1e-6)
+    assert link.bandwidth == pytest.approx(link_bw, rel=1e-6)
 
 
-def test_concurrent_measurements_combine_by_median() -> None:
-    from boostlr.analysis.calibrate import _median
-
-    a = {
-        "x": 1.0,
-        "gemm": [(8, 8, 8, 1.0), (4, 4, 4, 3.0)],
-        "att": [((1, 2), 2.0)],
-        "s": [1.0, 4.0],
-    }
-    b = {
-        "x": 3.0,
-        "gemm": [(8, 8, 8, 3.0), (4, 4, 4, 5.0)],
-        "att": [((1, 2), 4.0)],
-        "s": [3.0, 6.0],
-    }
-    got = {k: _median([a[k], b[k]]) for k in a}
-    assert got == {
-        "x": 2.0,
-        "gemm": [(8, 8, 8, 2.0), (4, 4, 4, 4.0)],
-        "att": [((1, 2), 3.0)],
-        "s": [2.0, 5.0],
-    }
-
-
-def test_local_profile_terms_add_to_a_cpu_step() -> None:
-    """On a CPU profile the host terms (per op, per DTensor parameter, per collective, the
-    ranks' wait) add to the step; on a GPU profile they are 0 and the step is unchanged."""
-    a100 = load_profile("a100-40gb")
-    cfg = build_config(overrides=[("model.preset", "small"), ("parallel.tp", "2")])
-    base = predict(cfg, replace(a100, device="cpu"))
-    host = replace(
-        a100, device="cpu", host_op=5e-6, dtensor_param=1e-4, collective_host=1e-4, sync_wait=1e-3
-    )
-    more = predict(cfg, host)
-    calls = base.comm_bytes["comm_tp_calls"]
-    assert more.parts["tp_sync_s"] == pytest.approx(calls * 1e-3)
-    assert more.parts["host_s"] > base.parts["host_s"] == 0.0
-    assert more.step_time > base.step_time + calls * 1e-3
-    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200"):
-        hw = load_profile(name)
-        assert hw.host_op == hw.dtensor_param == hw.collective_host == hw.sync_wait == 0.0
+def test_calibrate_procs_was_removed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--procs", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--procs was removed" in err[0]

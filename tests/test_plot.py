@@ -11,7 +11,7 @@ from test_train import tiny_run_config
 from boostlr.cli import main
 from boostlr.config import build_config, dump_toml
 from boostlr.models.counting import flops_per_token
-from boostlr.plot import ema, label, load_run
+from boostlr.plots.runs import ema, label, load_run
 from boostlr.train import run as trainer
 
 image = pytest.importorskip("matplotlib.image")

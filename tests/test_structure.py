@@ -93,3 +93,19 @@ def test_no_module_over_500_lines_and_a_short_step_loop() -> None:
     assert not long, long
     loop = len((PACKAGE / "train" / "loop.py").read_text().splitlines())
     assert loop <= LOOP_MAX_LINES, loop
+
+
+def test_the_cost_model_imports_nothing_from_the_engine() -> None:
+    """``analysis/`` plans from shapes (``boostlr.models``) and the config alone: a change to
+    the parallel engine cannot break planning, and planning never needs the engine."""
+    graph = import_graph()
+    analysis = {name for name in graph if name.startswith("boostlr.analysis")}
+    assert "boostlr.analysis.costmodel" in analysis
+    reached, todo = set(), list(analysis)
+    while todo:  # everything the cost model imports, at any remove
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in reached:
+                reached.add(dep)
+                todo.append(dep)
+    engine = sorted(dep for dep in reached if dep.startswith("boostlr.parallel"))
+    assert not engine, engine

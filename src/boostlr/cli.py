@@ -110,18 +110,20 @@ def _parser() -> argparse.ArgumentParser:
         "(needs matplotlib: the 'plot' extra)",
     )
 
-    c = sub.add_parser("calibrate", help="measure this machine and write the 'local' profile")
+    c = sub.add_parser(
+        "calibrate",
+        help="measure this device (CUDA if visible, else the CPU) and write the 'local' profile",
+    )
     c.add_argument(
         "--out", default=None, help="profile file (default: <cache>/hardware/local.toml)"
     )
-    c.add_argument("--threads", type=int, default=1, help="torch threads per process (ranks)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     c.add_argument(
-        "--procs",
-        type=int,
-        default=None,
-        help="processes measuring the compute constants at once, as a local run's ranks share "
-        "the machine (default: 2 when the cores allow, else 1)",
+        "--like",
+        default="h100-sxm",
+        help="profile whose link a single GPU keeps (two GPUs or a CPU measure their own)",
     )
+    c.add_argument("--procs", type=int, default=None, help=argparse.SUPPRESS)  # removed
     v = sub.add_parser(
         "eval",
         help="loss, perplexity and bits per byte of a checkpoint on a whole split",
@@ -274,38 +276,44 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     from boostlr.analysis import plan
     from boostlr.analysis.hardware import load_profile
     from boostlr.config import parse_overrides
+    from boostlr.plots.plan import plan_json, print_rows, search_json
 
     if args.plot:
-        from boostlr.analysis.plot import require_matplotlib
+        from boostlr.plots import require_matplotlib
 
-        require_matplotlib()
+        require_matplotlib("--plot")
     hw = load_profile(args.hardware)
     cfg = plan.load_config(args.config, parse_overrides(overrides), args.gpus, args.search)
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)
         if args.json:
-            print(json.dumps(plan.search_json(cands, hw, args.gpus), indent=2))
+            print(json.dumps(search_json(cands, hw, args.gpus), indent=2))
         else:
             preds = [c.prediction for c in cands]
-            plan.print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
+            print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
     else:
         rows = plan.strategy_rows(cfg, hw)
         if args.json:
-            print(json.dumps(plan.plan_json(rows, hw, cfg), indent=2))
+            print(json.dumps(plan_json(rows, hw, cfg), indent=2))
         else:
-            plan.print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+            print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
     if args.plot:
-        from boostlr.analysis.plot import draw, plot_data
+        from boostlr.plots.plan import draw, plot_data
 
         draw(plot_data(cfg, hw, args.gpus if args.search else None), Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:
-    from boostlr.analysis.calibrate import calibrate
+    from boostlr.calibrate import calibrate
 
+    if args.procs is not None:
+        raise BoostlrError(
+            "calibrate --procs was removed: the profile holds no CPU host terms any more, so "
+            "nothing is measured by several processes at once"
+        )
     out = Path(args.out) if args.out else None
-    path, profile = calibrate(out, threads=args.threads, procs=args.procs)
+    path, profile = calibrate(out, threads=args.threads, like=args.like)
     print(f"wrote {path}")
     print(profile.to_toml())
 
@@ -356,7 +364,7 @@ def _cmd_import_hf(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
-    from boostlr.plot import plot_runs
+    from boostlr.plots.runs import plot_runs
 
     out = plot_runs(
         [Path(r) for r in args.runs], Path(args.out), args.x, args.y, args.smooth, args.title

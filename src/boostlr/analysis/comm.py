@@ -163,12 +163,10 @@ def fsdp_bytes(
 ) -> int:
     """FSDP2 traffic of one rank per step without pipelining (payload = the full buffer).
 
-    Each module (every block, then the root holding embedding/final norm/head) all-gathers
-    its parameters in every forward, again in the backward when resharded after forward
-    (``fsdp`` mode; boostlr asks it of the root too), and reduce-scatters its gradients after
-    every backward. ``module_shard_elements[i]``: module i's padded local shard elements
-    (dim 0 padded to a multiple of dp). ``param_bytes``: the all-gathered dtype's size (2
-    under ``train.dtype bfloat16``'s mixed precision); gradients reduce in fp32.
+    Each module (every block, then the root) all-gathers its parameters in every forward,
+    again in the backward when resharded (``fsdp`` mode), and reduce-scatters its fp32
+    gradients after every backward. ``module_shard_elements[i]``: module i's padded local
+    shard; ``param_bytes``: the gathered dtype's size (2 under bf16 mixed precision).
     """
     if dp == 1:
         return 0
@@ -187,12 +185,9 @@ def fsdp_pipeline_bytes(
 ) -> int:
     """FSDP2 traffic of one pipeline rank per step (payload = the full buffer).
 
-    ``fsdp`` mode (``reshard``): boostlr's stages reshard and reduce-scatter after every
-    pipeline micro-batch's backward, so each micro-batch gathers every module in its forward
-    and again in its backward and reduce-scatters its gradients, as without a pipeline.
-    ``ddp`` keeps torch's behaviour: each module gathered once per schedule step and its
-    gradients reduce-scattered once, after the last micro-batch. ``micro_batches`` schedule
-    steps (``grad_accum``) repeat all of it.
+    ``fsdp`` (``reshard``): every pipeline micro-batch gathers each module in its forward and
+    backward and reduce-scatters its gradients; ``ddp``: one gather and one reduce-scatter
+    per schedule step. ``micro_batches`` schedule steps (``grad_accum``) repeat all of it.
     """
     if dp == 1:
         return 0

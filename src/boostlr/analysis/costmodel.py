@@ -1,35 +1,21 @@
 """Predict a training step: traffic, memory and time of any model x strategy x layout x GPU.
 
-Pure arithmetic on shapes (docs/design.md §6). Bytes come from :mod:`boostlr.analysis.comm`, whose
-formulas the tests check against the ledger of real runs, so ``comm_metrics`` is exactly what
-``ParallelModel.step_metrics`` reports for the same rank. Time is a model:
+Arithmetic on shapes (docs/design.md §6). Bytes come from :mod:`boostlr.analysis.comm`, whose
+formulas the tests check against the ledger of real runs (``comm_metrics`` is exactly what
+``ParallelModel.step_metrics`` reports for the same rank). Time is a model:
 
-* each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, with
-  ``eff`` falling for small dims (``HardwareProfile.gemm_eff``, fitted from measurements);
-  attention kernels on the GEMM roofline times the profile's ``attention_efficiency``;
-* element-wise work (norms, σ, RoPE, products, residual adds, the collectives' copies, BTP's
-  concatenations, gradient accumulation, the loss), forward and backward, as the bytes the
-  strategies' code moves (``gemms.block_elementwise``, checked against a census of what torch
-  dispatches) over the memory bandwidth; σ's exp over the profile's SiLU throughput where
-  that is slower (a CPU core);
-* every dispatched op besides the GEMMs (``gemms.block_ops``, counted the same way): a launch
-  per kernel, the profile's ``host_op`` per view;
-* host work of a distributed run: each DTensor parameter's unwrapping and gradient wrapping
-  per micro-batch and its share of clipping and AdamW per step, boostlr's collective wrappers
-  per call (0 on the GPU profiles: it overlaps their asynchronous kernels; measured by
-  ``boostlr calibrate`` for a CPU, where it adds to the step);
-* the optimizer step as the trainer runs it: gradient clipping, then fused AdamW
-  (:func:`optimizer_time`);
-* alpha-beta collectives: ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
-  reduce-scatter half of that, point-to-point ``α + n/B``, on the intra- or inter-node link
-  the group spans (ranks are laid out tp-fastest, then dp, then pp); plus, per TP
-  collective, what ranks in lockstep lose waiting for each other (the profile's
-  ``sync_wait``, measured for a CPU);
-* the pipeline: ``(m·v + p - 1)`` slots of one virtual stage's time (the bubble is the
-  ``p - 1`` extra), every slot waiting for one receive each way;
-* overlap: FSDP prefetches and reduces in the background, so only the dp time beyond the
-  step's compute (plus one module's gather and reduce-scatter) is exposed. No strategy here
-  overlaps its TP collectives: they sit on the autograd critical path.
+* each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, ``eff``
+  falling for small dims; attention on it times ``attention_efficiency``;
+* element-wise work (``gemms.block_elementwise``) as bytes over the effective bandwidth, and
+  a launch per kernel (each GEMM, and ``gemms.block_kernels``' estimate of the rest); host
+  Python is assumed to overlap the asynchronous kernels, as on a GPU;
+* the optimizer step as the trainer runs it: clipping, then fused AdamW;
+* alpha-beta collectives (ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
+  reduce-scatter half of that, point-to-point ``α + n/B``) on the intra- or inter-node link
+  the group spans (ranks laid out tp-fastest, then dp, then pp);
+* the pipeline: ``(m·v + p - 1)`` slots of one virtual stage (the bubble is the ``p - 1``);
+* overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; TP
+  collectives sit on the autograd critical path.
 """
 
 from __future__ import annotations
@@ -46,17 +32,15 @@ from boostlr.analysis.comm import (
     tp_comm_volume,
 )
 from boostlr.analysis.gemms import (
-    SILU,
     ElementWise,
     Gemm,
-    OpCount,
     backward,
     block_elementwise,
     block_gemms,
-    block_ops,
+    block_kernels,
     head_elementwise,
     head_gemms,
-    head_ops,
+    head_kernels,
 )
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import (
@@ -74,7 +58,7 @@ from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
 # foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
 # DTensor shards alike. fp32 bytes per parameter, every operand read and every result written
-# once (tests/test_costmodel.py checks torch dispatches one op for it):
+# once (tests/test_costmodel.py checks torch dispatches one kernel for it):
 FUSED_ADAMW_BYTES = 28  # one kernel: read p, g, m, v; write p, m, v
 CLIP_PASSES = (4, 8)  # _foreach_norm (read g), then clip_grads_with_norm_'s _foreach_mul_
 
@@ -151,7 +135,7 @@ def gemm_time(g: Gemm, hw: HardwareProfile, dtype: str, elem: int) -> float:
     if g.kind == "attention":
         eff *= hw.attention_efficiency
     compute = g.flops / (hw.flops(dtype) * eff)
-    memory = g.bytes(elem) / (hw.hbm_bandwidth * hw.memory_efficiency)
+    memory = g.bytes(elem) / hw.hbm_bandwidth  # the roofline: the bandwidth itself
     return max(compute, memory) + hw.launch
 
 
@@ -159,29 +143,12 @@ def memory_time(nbytes: float, hw: HardwareProfile, kernels: int = 0) -> float:
     return nbytes / (hw.hbm_bandwidth * hw.memory_efficiency) + kernels * hw.launch
 
 
-def elementwise_time(ew: ElementWise, hw: HardwareProfile, act: int) -> tuple[float, float]:
-    """(forward, backward) seconds of non-GEMM kernels: bytes over the memory bandwidth, σ's
-    elements over the profile's SiLU throughput where that is the slower of the two."""
-    out = []
-    for nbytes, elems, passes, rate in (
-        (ew.fwd, ew.silu_fwd, SILU[0], hw.silu_rate),
-        (ew.bwd, ew.silu_bwd, SILU[1], hw.silu_bwd_rate),
-    ):
-        t = memory_time(nbytes, hw)
-        if rate > 0 and elems:  # σ compute-bound: replace its bytes' time by its exp's
-            silu = memory_time(elems * passes * act, hw)
-            t += max(0.0, elems / rate - silu)
-        out.append(t)
-    return out[0], out[1]
-
-
-def ops_time(ops: OpCount, hw: HardwareProfile) -> tuple[float, float]:
-    """(forward, backward) fixed cost of dispatched ops: a launch per kernel, host time per
-    view (0 on GPU profiles, where host work overlaps the kernels)."""
-    return (
-        ops.kernels_fwd * hw.launch + ops.views_fwd * hw.host_op,
-        ops.kernels_bwd * hw.launch + ops.views_bwd * hw.host_op,
-    )
+def elementwise_time(
+    ew: ElementWise, kernels: tuple[int, int], hw: HardwareProfile
+) -> tuple[float, float]:
+    """(forward, backward) seconds of non-GEMM kernels: bytes over the memory bandwidth plus
+    a launch each."""
+    return memory_time(ew.fwd, hw, kernels[0]), memory_time(ew.bwd, hw, kernels[1])
 
 
 def link_bandwidth(hw: HardwareProfile, group: int, span: int) -> tuple[float, float]:
@@ -214,12 +181,10 @@ class StageTime:
     recompute: float = 0.0
     tp_comm: float = 0.0
     flops: float = 0.0
-    host: float = 0.0  # CPU work besides the ops: DTensor wrapping, collectives' wrappers
-    tp_sync: float = 0.0  # part of tp_comm: waiting for the slower rank (skew)
 
     @property
     def compute(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.host
+        return self.fwd + self.bwd + self.recompute
 
     @property
     def total(self) -> float:
@@ -244,12 +209,11 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
                 gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
                 back = [b for g in gemms for b in backward(g)]
                 ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping, overlap)
-                ew_f, ew_b = elementwise_time(ew, hw, a)
-                ops = block_ops(m, strategy, p.tp, layer, p.grouping, overlap)
-                ops_f, ops_b = ops_time(ops, hw)
+                kernels = block_kernels(m, strategy, p.tp, layer, p.grouping)
+                ew_f, ew_b = elementwise_time(ew, kernels, hw)
                 per_layer[key] = (
-                    sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f + ops_f,
-                    sum(gemm_time(b, hw, dtype, a) for b in back) + ew_b + ops_b,
+                    sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f,
+                    sum(gemm_time(b, hw, dtype, a) for b in back) + ew_b,
                     sum(g.flops for g in gemms) + sum(b.flops for b in back),
                 )
             f_time, b_time, flops = per_layer[key]
@@ -262,20 +226,15 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
             fused = cfg.train.fused_loss and p.pp == 1  # a pipeline's schedule owns its loss
             head_ew = head_elementwise(m, strategy, p.tp, tokens, a, s, fused)
-            ew_f, ew_b = elementwise_time(head_ew, hw, a)
-            ops_f, ops_b = ops_time(head_ops(m, strategy, p.tp, tokens, fused, a), hw)
-            fwd, bwd = fwd + ew_f + ops_f, bwd + ew_b + ops_b
+            kernels = head_kernels(m, strategy, p.tp, tokens, fused)
+            ew_f, ew_b = elementwise_time(head_ew, kernels, hw)
+            fwd, bwd = fwd + ew_f, bwd + ew_b
         out.fwd += fwd
         out.bwd += bwd
         if strategy is not None and p.tp > 1:
             vol = _stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
             # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
             out.tp_comm += collective_time("all_reduce", vol.total, vol.calls, p.tp, p.tp, hw)
-            out.host += vol.calls * hw.collective_host  # our collectives' own host work
-            out.tp_sync += vol.calls * hw.sync_wait  # ranks waiting for each other
-            out.tp_comm += vol.calls * hw.sync_wait
-    if p.world_size > 1:  # every parameter a DTensor: unwrapped forward, its grad wrapped
-        out.host += rank_params(m, strategy, p, pp_rank).tensors * hw.dtensor_param
     return out
 
 
@@ -291,8 +250,6 @@ def optimizer_time(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> f
     clip = CLIP_PASSES if cfg.train.grad_clip > 0 else CLIP_PASSES[:1]  # the norm is logged
     step = memory_time(sum(clip) * shard, hw, len(clip))
     step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
-    if p.world_size > 1:  # DTensor dispatch of those list ops, per parameter tensor
-        step += params.tensors * hw.dtensor_step
     for size, span in ((p.tp, p.tp), (p.dp, p.tp * p.dp), (p.pp, p.world_size)):
         step += collective_time("all_reduce", FP32, 1, size, span, hw)
     return step
@@ -431,11 +388,9 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         bubble=bubble,
         parts={
             "gemm_elementwise_s": steps * mb * (slowest.fwd + slowest.bwd),
-            "host_s": steps * mb * slowest.host,
             "recompute_s": steps * mb * slowest.recompute,
             "optimizer_s": optimizer,
             "tp_comm_s": tp_comm,
-            "tp_sync_s": steps * mb * slowest.tp_sync,
             "pp_comm_s": pp_comm,
             "dp_comm_s": dp_total,
             "dp_comm_exposed_s": dp_exposed,

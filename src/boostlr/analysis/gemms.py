@@ -1,27 +1,23 @@
-"""What one tensor-parallel rank dispatches per block: GEMMs, element-wise traffic, op counts.
+"""What one tensor-parallel rank runs per block: GEMMs, element-wise traffic, kernel launches.
 
 Shapes follow the strategies' code (``parallel/megatron.py``, ``vanilla.py``, ``btp.py``,
 ``single.py``): a GEMM ``[M, K] @ [K, N]`` with ``K`` the reduction dim. Vanilla TP's B has
 ``K = r/t`` (memory-bound: the paper's point); BTP's A has ``K = d/t`` and writes the full
 ``r``; vanilla runs attention on every head of the replicated q/k/v.
 
-Everything else a block runs is counted from the code, forward and backward: the bytes its
+Everything else a block runs is read from the code, forward and backward: the bytes its
 element-wise kernels move (norms, RoPE, σ, products, residual adds, the collectives' copies,
-BTP's concatenations, gradient accumulation: :func:`block_elementwise`) and how many ops torch
-dispatches besides the GEMMs (:func:`block_ops`: each costs a fixed CPU time, a launch on a
-GPU), both checked against a census of what torch dispatches (``analysis/census.py``).
+BTP's concatenations: :func:`block_elementwise`), over the memory bandwidth, and an estimate
+of how many kernels it launches besides the GEMMs (:func:`block_kernels`). Only shapes from
+:mod:`boostlr.models.shapes` and the config are read: nothing here imports the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TypeVar
+from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
 from boostlr.models.shapes import linear_shapes
-from boostlr.parallel.head_loss import chunk_rows
-
-Record = TypeVar("Record")
 
 FP32 = 4
 
@@ -151,8 +147,8 @@ def head_gemms(cfg: ModelConfig, strategy: str | None, tp: int, tokens: int) -> 
 
 # Element passes of the strategies' non-GEMM kernels, per token and per element of the width
 # they act on: a binary op reads two operands and writes one (3), a unary op 2, a reduction
-# 1 (plus its small result). Counted from the code's ops (tests/test_costmodel.py checks the
-# totals against a census of what torch dispatches, forward and backward, for every strategy).
+# 1 (plus its small result). Read from the code's ops (``benchmarks/census.py`` compares the
+# totals with what torch dispatches on a CPU).
 NORM = (7, 24)  # rms_norm: pow, mean, x * rsqrt, gain * x; backward: 14 kernels
 SILU = (2, 3)  # σ: silu; silu_backward
 PRODUCT = (3, 6)  # g * u
@@ -164,26 +160,15 @@ LAX_LATENT = (12, 30)  # LaX per linear: a + G(z), LN_r, σ; backward incl. z's 
 LAX_LATENT_FIRST = (9, 30)  # block 0: no crossing gate
 
 
-def _fieldwise_sum(a: Record, b: Record) -> Record:
-    """Two records of the same dataclass added field by field."""
-    return type(a)(*(getattr(a, f.name) + getattr(b, f.name) for f in fields(a)))
-
-
 @dataclass(frozen=True)
 class ElementWise:
-    """Non-GEMM work of one rank: bytes moved forward and backward, and the elements that
-    go through σ (compute-bound on a CPU: SiLU is an exp per element)."""
+    """Non-GEMM work of one rank: bytes moved forward and backward."""
 
     fwd: float = 0.0
     bwd: float = 0.0
-    silu_fwd: float = 0.0
-    silu_bwd: float = 0.0
 
     def __add__(self, o: ElementWise) -> ElementWise:
-        return _fieldwise_sum(self, o)
-
-    def scaled(self, k: float) -> ElementWise:
-        return ElementWise(self.fwd * k, self.bwd * k, self.silu_fwd * k, self.silu_bwd * k)
+        return ElementWise(self.fwd + o.fwd, self.bwd + o.bwd)
 
 
 def _attention_passes(q: int, kv: int) -> tuple[int, int]:
@@ -195,14 +180,13 @@ def _attention_passes(q: int, kv: int) -> tuple[int, int]:
     return fwd, bwd
 
 
-def _latent_passes(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
-    """(fwd, bwd, σ elements) per element of one linear's latent, by arch."""
+def _latent_passes(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(fwd, bwd) passes per element of one linear's latent, by arch."""
     if cfg.arch == "cola":
-        return SILU[0], SILU[1], 1
+        return SILU
     if cfg.arch == "lax":
-        fwd, bwd = LAX_LATENT if layer > 0 else LAX_LATENT_FIRST
-        return fwd, bwd, 1
-    return 0, 0, 0  # svd: no activation
+        return LAX_LATENT if layer > 0 else LAX_LATENT_FIRST
+    return 0, 0  # svd: no activation
 
 
 def block_elementwise(
@@ -217,10 +201,8 @@ def block_elementwise(
 ) -> ElementWise:
     """Non-GEMM traffic of one block on one TP rank, forward and backward.
 
-    Element passes per token (see the constants above) times ``act`` bytes per element; at
-    fp32 this is what a census of the dispatched ops counts (within a few %: per-token
-    statistics and norm gains are left out). Under bf16 autocast the same passes are costed at
-    2 bytes (the norms' fp32 internals and autocast's casts are not modelled).
+    Element passes per token (the constants above) times ``act`` bytes per element (under
+    bf16 autocast 2: the norms' fp32 internals and autocast's casts are not modelled).
     """
     t = tp if strategy else 1
     if strategy == "btp" or (strategy is None and cfg.lowrank and grouping):
@@ -228,7 +210,7 @@ def block_elementwise(
         return _btp_elementwise(cfg, t, tokens, act, layer, grouping, overlap)
     d, kv, f, r = cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.rank or 0
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
-    lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
+    lat_f, lat_b = _latent_passes(cfg, layer)
     q, k, ff = (d // t, kv // t, f // t) if strategy == "megatron" else (d, kv, f)
     att_f, att_b = _attention_passes(q, k)
     fwd = 2 * NORM[0] * d + att_f + mlp_f * ff + 2 * RESIDUAL * d
@@ -236,7 +218,6 @@ def block_elementwise(
     # The residual stream feeds a norm and an add; the norm's output feeds 3 (q, k, v) and
     # 2 (gate, up) linears: each extra consumer adds a gradient in the backward.
     bwd += REUSE * (2 * d + 2 * d + d)
-    silu = float(ff if cfg.mlp_form == "swiglu" else 0)
     if strategy == "megatron" and t > 1:
         fwd += CLONE * 2 * d  # o and down all-reduce copies
         bwd += CLONE * 2 * d  # attn_in and mlp_in: the backward all-reduce copies
@@ -245,7 +226,6 @@ def block_elementwise(
         r_lat = r if cfg.arch == "lax" else rl  # LaX's crossing needs all of r
         fwd += lat_f * 7 * r_lat
         bwd += lat_b * 7 * r_lat
-        silu += lat_silu * 7 * r_lat
         if strategy == "vanilla" and t > 1:
             # Every B all-reduces its full output (copied first); the backward all-reduces
             # the input grads of the four regions (attn_in, o_in, mlp_in: d; down_in: f).
@@ -254,23 +234,19 @@ def block_elementwise(
             if cfg.arch == "lax":  # latents gathered to all of r and re-split, both ways
                 per = r + CLONE * r + CLONE * rl
                 fwd, bwd = fwd + 7 * per, bwd + 7 * per
-    return ElementWise(fwd * tokens * act, bwd * tokens * act, silu * tokens, silu * tokens)
+    return ElementWise(fwd * tokens * act, bwd * tokens * act)
 
 
 def _btp_elementwise(
     cfg: ModelConfig, t: int, tokens: int, act: int, layer: int, grouping: bool, overlap: bool
 ) -> ElementWise:
     """BTP's block (``parallel/btp.py``) on a d-sharded residual; ``t = 1``: one device.
-
-    ``overlap`` (``parallel.tp_overlap``, TP > 1): each up-projection's backward is one GEMM
-    per B (no stacked gradients) plus the concatenated input gradients it sends off.
-    """
-    # Grouped up-projections are one autograd Function (its backward: one GEMM per B);
-    # with overlap at TP > 1 it also concatenates the input gradients it sends off.
+    With ``overlap`` at TP > 1 the grouped up-projection's backward also concatenates the
+    input gradients it sends off."""
     sends = overlap and grouping and t > 1
     d, kv, f, r = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t, cfg.rank
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
-    lat_f, lat_b, lat_silu = _latent_passes(cfg, layer)
+    lat_f, lat_b = _latent_passes(cfg, layer)
     att_f, att_b = _attention_passes(d, kv)
     groups = 3 + 2  # down-projections sharing an input: q, k, v and gate, up
     whole = t == 1
@@ -300,8 +276,7 @@ def _btp_elementwise(
         qkv = [d, kv, kv] if kv == d else [kv, kv]
         fwd += 2 * r * (len(qkv) + 2)
         bwd += 2 * 5 * r if sends else 0
-    silu = lat_silu * 7 * r + (f if cfg.mlp_form == "swiglu" else 0)
-    ew = ElementWise(fwd * tokens * act, bwd * tokens * act, silu * tokens, silu * tokens)
+    ew = ElementWise(fwd * tokens * act, bwd * tokens * act)
     if grouping:  # weights concatenated / stacked every step (fp32); the backward
         # concatenates the A's again (only the weights themselves are saved)
         qkv = [d, kv, kv] if kv == d else [kv, kv]
@@ -318,16 +293,11 @@ def _btp_elementwise(
 # logits, the embedding's dense gradient (the whole table slice written).
 CE_VOCAB_PARALLEL = (8, 4)
 CE_LOCAL = (2, 4)
-# The fused head + loss (parallel/head_loss.py), bytes per logit of the rank's v, by
-# activation size: one device / vocabulary-parallel. fp32: log-softmax and exp into the
-# buffer (2 + 2 passes), vocab-parallel also the row max and the rescale to the global
-# softmax; bf16: the chunk's cast to fp32 first, the exp written back as bf16, the max and
-# rescale on bf16. Plus ~180 B of per-token bookkeeping (targets, gathers, the loss), and in
-# the backward the two d-wide gradients scaled by 1/N (fp32 16 B per d; bf16 28 B: the
-# casts around them).
-CE_FUSED_LOGIT = {4: (16, 28), 2: (20, 26)}
-CE_FUSED_ROWS = 180
-CE_FUSED_BWD = {4: 16, 2: 28}
+# The fused head + loss (parallel/head_loss.py), fp32 bytes per logit of the rank's v: the
+# chunk's log-softmax and exp (4 passes), vocabulary-parallel also the row max and the rescale
+# to the global softmax (3 more); its backward writes the two d-wide input gradients.
+CE_FUSED_LOGIT = (16, 28)
+CE_FUSED_BWD = 16
 
 
 ROPE_TABLES = 8.5  # cos and sin tables per forward: passes over [seq, head_dim] (fp32)
@@ -351,8 +321,8 @@ def head_elementwise(
     fused_f = fused_b = 0  # bytes per token
     if fused:  # the loss's work is these bytes, not passes over the logits
         ce_f, ce_b = 0, 0
-        fused_f = CE_FUSED_LOGIT[act][t > 1] * v + CE_FUSED_ROWS
-        fused_b = CE_FUSED_BWD[act] * d
+        fused_f = CE_FUSED_LOGIT[t > 1] * v
+        fused_b = CE_FUSED_BWD * d
     else:
         ce_f, ce_b = CE_LOCAL if t == 1 else CE_VOCAB_PARALLEL
     if t == 1:
@@ -373,127 +343,69 @@ def head_elementwise(
     )
 
 
-# ----------------------------------------------------------------------------- op counts
+# ----------------------------------------------------------------------------- kernels
+
+# Kernels a block launches besides its GEMMs, estimated from the code's structure rather than
+# counted per code path (an estimate: a GPU charges a launch for each, a few µs, so a count
+# off by a few kernels moves a step by well under 1%). Forward, backward per feature:
+NORM_KERNELS = (4, 14)  # rms_norm: pow, mean, x * rsqrt, gain * x; autograd's backward
+ROPE_KERNELS = (8, 11)  # q and k: x cos + roll(x) sin; the backward's copies of SDPA's grads
+GQA_KERNELS = (2, 2)  # k and v repeated to every query head
+SWIGLU_KERNELS = (2, 4)  # silu(g) * u
+PRODUCT_KERNELS = (1, 2)  # g * u (low-rank-only MLP)
+LATENT_KERNELS = {"cola": (1, 1), "svd": (0, 0), "lax": (6, 17)}  # per linear: σ; LaX: add,
+# LN_r, σ, and the gradient of z's second consumer (block 0 has no gate: one add fewer)
+GROUP_KERNELS = (4, 4)  # BTP per down-projection group: online-norm rescales, cat, split
+WEIGHT_CAT_KERNELS = (4, 2)  # grouped A's concatenated and B's stacked per micro-batch
 
 
-@dataclass(frozen=True)
-class OpCount:
-    """Ops torch dispatches besides GEMMs, attention and collectives, forward and backward:
-    ``kernels`` write memory (a GPU launches each), ``views`` only make tensor metadata
-    (``view``, ``t``, ``detach``, ...; host work only)."""
+def block_kernels(
+    cfg: ModelConfig, strategy: str | None, tp: int, layer: int = 1, grouping: bool = True
+) -> tuple[int, int]:
+    """(forward, backward) non-GEMM kernels of one block on one rank (an estimate).
 
-    kernels_fwd: int = 0
-    views_fwd: int = 0
-    kernels_bwd: int = 0
-    views_bwd: int = 0
-
-    def __add__(self, o: OpCount) -> OpCount:
-        return _fieldwise_sum(self, o)
-
-    def __mul__(self, k: int) -> OpCount:
-        return OpCount(*(k * getattr(self, f.name) for f in fields(self)))
-
-
-# Per block, by the code path a block runs (fp32, ``grouping`` on, ``norm`` online, no
-# recompute; ops inside a collective are the collective's, not counted here): counted by
-# tests/test_costmodel.py::test_op_counts_and_elementwise_traffic_are_torchs, which fails when
-# the code and these numbers part. ``lax0``: LaX's block 0 (no crossing gate).
-BLOCK_OPS: dict[tuple[str, str], OpCount] = {
-    ("plain", "full"): OpCount(24, 32, 46, 67),  # Block.compute (one device)
-    ("megatron", "full"): OpCount(26, 47, 48, 80),
-    ("vanilla", "cola"): OpCount(37, 87, 56, 140),
-    ("vanilla", "svd"): OpCount(30, 87, 49, 140),
-    ("vanilla", "lax0"): OpCount(100, 143, 182, 217),
-    ("vanilla", "lax"): OpCount(107, 199, 182, 336),
-    ("btp", "cola"): OpCount(62, 91, 78, 139),  # parallel.tp_overlap (the default)
-    ("btp", "svd"): OpCount(55, 91, 71, 139),
-    ("btp", "lax0"): OpCount(104, 105, 183, 174),
-    ("btp", "lax"): OpCount(111, 161, 183, 293),
-    ("btp1", "cola"): OpCount(38, 57, 55, 98),  # BTP's block on one device (grouped)
-    ("btp1", "svd"): OpCount(31, 57, 48, 98),
-    ("btp1", "lax0"): OpCount(80, 64, 160, 126),
-    ("btp1", "lax"): OpCount(87, 106, 160, 231),
-}
-# GQA (fewer kv heads) repeats k and v: a few more ops per block.
-GQA_OPS: dict[str, OpCount] = {
-    "plain": OpCount(2, 6, 3, 4),
-    "megatron": OpCount(2, 6, 1, 4),
-    "vanilla": OpCount(2, 6, 3, 4),
-    "btp": OpCount(2, 7, 1, 4),
-    "btp1": OpCount(2, 7, 3, 4),
-}
-# BTP at TP > 1 with tp_overlap off: the latents' backward all-reduce is autograd's (after
-# the weight gradients) instead of started inside the up-projection (census of that path).
-BLOCKING_BTP_BWD = OpCount(0, 0, 2, -10)
-# Embedding, RoPE tables, final norm, LM head and loss, once per micro-batch.
-HEAD_OPS: dict[str, OpCount] = {
-    "plain": OpCount(23, 14, 17, 12),
-    "vocab_parallel": OpCount(45, 30, 25, 16),  # megatron and vanilla
-    "btp": OpCount(41, 36, 26, 22),
-}
-# The same with the fused head + loss, in one chunk of tokens; each further chunk adds
-# HEAD_CHUNK_OPS (vocab-parallel: also the row max for the slice's log-sum-exp; bf16: the
-# chunk's cast to fp32, counted at TP 1) and, once, the slices a single chunk does not need.
-HEAD_OPS_FUSED: dict[str, OpCount] = {
-    "plain": OpCount(43, 16, 18, 6),
-    "vocab_parallel": OpCount(66, 31, 20, 11),
-    "btp": OpCount(62, 37, 21, 17),
-}
-HEAD_CHUNK_OPS = {"plain": OpCount(6, 8), "vocab_parallel": OpCount(10, 10)}
-HEAD_CHUNKED_VIEWS = {"plain": OpCount(0, 2), "vocab_parallel": OpCount(0, 3)}
-HEAD_CHUNK_HALF = OpCount(1, 0)
-
-
-def _path(cfg: ModelConfig, strategy: str | None, tp: int, grouping: bool) -> str:
-    """Which code a block runs: the strategy's, or one device's (``plain`` / ``btp1``)."""
+    Two norms, RoPE, the MLP product, two residual adds, each latent's activation, a copy per
+    TP collective, and BTP's per-group online-norm work; a tensor feeding several consumers
+    adds one gradient per extra consumer in the backward.
+    """
     t = tp if strategy else 1
-    if strategy == "btp" and t > 1:
-        return "btp"
-    if strategy in ("megatron", "vanilla") and t > 1:
-        return strategy
-    return "btp1" if cfg.lowrank and (grouping or strategy == "btp") else "plain"
-
-
-def block_ops(
-    cfg: ModelConfig,
-    strategy: str | None,
-    tp: int,
-    layer: int = 1,
-    grouping: bool = True,
-    overlap: bool = True,
-) -> OpCount:
-    """Ops one block dispatches on one rank (``BLOCK_OPS``; other options: the same counts)."""
-    path = _path(cfg, strategy, tp, grouping)
-    arch = cfg.arch
-    if path == "plain" and cfg.lowrank:  # ungrouped low-rank on one device: not counted;
-        path = "btp1"  # the grouped block's count is the closest
-    if path in ("megatron", "plain"):
-        arch = "full" if (path, arch) not in BLOCK_OPS else arch
-    if arch == "lax" and layer == 0:
-        arch = "lax0"
-    ops = BLOCK_OPS[(path, arch)]
+    mlp = SWIGLU_KERNELS if cfg.mlp_form == "swiglu" else PRODUCT_KERNELS
+    fwd = 2 * NORM_KERNELS[0] + ROPE_KERNELS[0] + mlp[0] + 2
+    bwd = 2 * NORM_KERNELS[1] + ROPE_KERNELS[1] + mlp[1] + 5  # residual, q/k/v, gate/up reuse
     if cfg.n_kv_heads < cfg.n_heads:
-        ops = ops + GQA_OPS[path]
-    if path == "btp" and grouping and not overlap:
-        ops = ops + BLOCKING_BTP_BWD
-    return ops
+        fwd, bwd = fwd + GQA_KERNELS[0], bwd + GQA_KERNELS[1]
+    if cfg.lowrank:
+        lf, lb = LATENT_KERNELS[cfg.arch]
+        if cfg.arch == "lax" and layer == 0:
+            lf -= 1
+        fwd, bwd = fwd + 7 * lf, bwd + 7 * lb
+        if strategy == "btp" or (strategy is None and grouping):  # BTP's block runs
+            fwd, bwd = fwd + 2 * GROUP_KERNELS[0], bwd + 2 * GROUP_KERNELS[1]
+            fwd, bwd = fwd + WEIGHT_CAT_KERNELS[0], bwd + WEIGHT_CAT_KERNELS[1]
+    if t > 1:  # one copy per collective (the collective itself is costed with the link)
+        calls = {"megatron": (2, 2), "vanilla": (7, 4), "btp": (4, 4)}[strategy or "btp"]
+        lax = 7 if cfg.arch == "lax" and strategy == "vanilla" else 0  # gather + re-split
+        fwd, bwd = fwd + calls[0] + 2 * lax, bwd + calls[1] + 2 * lax
+    return fwd, bwd
 
 
-def head_ops(
-    cfg: ModelConfig,
-    strategy: str | None,
-    tp: int,
-    tokens: int = 1,
-    fused: bool = True,
-    act: int = FP32,
-) -> OpCount:
-    """Ops of everything outside the blocks; the fused loss adds ops per chunk of tokens."""
-    t = tp if strategy else 1
-    path = "plain" if t == 1 else "btp" if strategy == "btp" else "vocab_parallel"
+# The embedding, RoPE tables, final norm, LM head and loss, per micro-batch: a few dozen
+# small kernels, and the fused loss's per-chunk work (one chunk per 64 MiB of fp32 logits,
+# the chunk size of parallel/head_loss.py).
+HEAD_KERNELS = (40, 25)
+CHUNK_KERNELS = (10, 10)
+CHUNK_BYTES = 64 * 2**20
+
+
+def head_kernels(
+    cfg: ModelConfig, strategy: str | None, tp: int, tokens: int = 1, fused: bool = True
+) -> tuple[int, int]:
+    """(forward, backward) non-GEMM kernels outside the blocks, per micro-batch (estimate)."""
     if not fused:
-        return HEAD_OPS[path]
-    chunks = -(-tokens // chunk_rows(-(-cfg.vocab_size // t)))
-    kind = "plain" if t == 1 else "vocab_parallel"
-    per_chunk = HEAD_CHUNK_OPS[kind] + (HEAD_CHUNK_HALF if act < FP32 else OpCount())
-    once = HEAD_CHUNKED_VIEWS[kind] if chunks > 1 else OpCount()
-    return HEAD_OPS_FUSED[path] + per_chunk * (chunks - 1) + once
+        return HEAD_KERNELS
+    t = tp if strategy else 1
+    chunks = -(-tokens * -(-cfg.vocab_size // t) * FP32 // CHUNK_BYTES)
+    return (
+        HEAD_KERNELS[0] + CHUNK_KERNELS[0] * chunks,
+        HEAD_KERNELS[1] + CHUNK_KERNELS[1] * chunks,
+    )

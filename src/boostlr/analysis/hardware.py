@@ -52,7 +52,6 @@ class HardwareProfile:
     gemm_half_dim: float
     memory_efficiency: float  # achieved fraction of hbm_bandwidth for element-wise kernels
     launch: float  # seconds of fixed cost per kernel (launch + framework/autograd dispatch)
-    # (on a CPU: per dispatched op of the model's code, measured on a tiny block)
     intra: Link
     inter: Link
     reserved: float = 0.0  # bytes per device not available to tensors (context, workspace)
@@ -60,27 +59,9 @@ class HardwareProfile:
     # without a switch: a group of g uses (g-1)/(gpus_per_node-1) of it) or switched.
     intra_mesh: bool = False
     # Fraction of the GEMM roofline the attention kernels reach (flash attention on a GPU is
-    # close to GEMM speed; a CPU's is not): measured by ``boostlr calibrate``.
+    # close to GEMM speed; a CPU's is not).
     attention_efficiency: float = 1.0
-    # "gpu" or "cpu": torch's AdamW runs multi-tensor (foreach) kernels on a GPU, one tensor
-    # at a time on a CPU, which changes how many ops a distributed optimizer step dispatches.
-    device: str = "gpu"
-    # Host (CPU) work that launches no kernel. On a CPU it runs on the same core as the
-    # kernels, so it adds to the step; on a GPU it overlaps the asynchronous kernels at the
-    # sizes the shipped profiles plan, and they set it to 0 (documented in each file).
-    host_op: float = 0.0  # seconds per dispatched view / metadata op (``view``, ``t``, ...)
-    dtensor_param: float = 0.0  # per DTensor parameter per micro-batch: to_local, grad wrap
-    dtensor_step: float = 0.0  # per DTensor parameter per step: clipping and AdamW dispatch
-    collective_host: float = 0.0  # per collective call, beyond the transport (autograd
-    # function, ledger record, profiler label)
-    # Seconds per TP collective that ranks in lockstep lose beyond the transport: the slower
-    # rank's lead (identical work does not take identical time on two processes) and waking
-    # a blocked rank. 0 on the GPU profiles (not measured there; their fit absorbs it).
-    sync_wait: float = 0.0
-    # SiLU throughput in elements/s (an exp per element: compute-bound on a CPU core);
-    # 0 = memory-bound (GPUs).
-    silu_rate: float = 0.0
-    silu_bwd_rate: float = 0.0
+    device: str = "gpu"  # what was measured: "gpu" (shipped, or calibrated on CUDA) or "cpu"
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -117,15 +98,6 @@ class HardwareProfile:
                 "memory_efficiency": self.memory_efficiency,
                 "attention_efficiency": self.attention_efficiency,
                 "launch_us": self.launch * 1e6,
-                "silu_gelems": self.silu_rate / 1e9,
-                "silu_bwd_gelems": self.silu_bwd_rate / 1e9,
-            },
-            "host": {
-                "op_us": self.host_op * 1e6,
-                "dtensor_param_us": self.dtensor_param * 1e6,
-                "dtensor_step_us": self.dtensor_step * 1e6,
-                "collective_us": self.collective_host * 1e6,
-                "sync_us": self.sync_wait * 1e6,
             },
             "intra_node": {
                 "bandwidth_gbps": self.intra.bandwidth / GB,
@@ -147,10 +119,10 @@ def _req(data: dict[str, Any], key: str, where: str) -> Any:
 
 
 def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
-    """Build a profile from parsed TOML; every missing key is named in the error."""
+    """Build a profile from parsed TOML; every missing key is named in the error (keys this
+    version does not read, such as an older calibration's ``[host]``, are ignored)."""
     compute = _req(data, "compute", where)
     intra, inter = _req(data, "intra_node", where), _req(data, "inter_node", where)
-    host = data.get("host", {})
     suffix = "_tflops"
     peaks = {k[: -len(suffix)]: float(v) * 1e12 for k, v in compute.items() if k.endswith(suffix)}
     if not peaks:
@@ -180,13 +152,6 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
             intra_mesh=_topology(intra.get("topology", "switch"), where),
             attention_efficiency=float(compute.get("attention_efficiency", 1.0)),
             device=_device(data.get("device", "gpu"), where),
-            host_op=float(host.get("op_us", 0.0)) * 1e-6,
-            dtensor_param=float(host.get("dtensor_param_us", 0.0)) * 1e-6,
-            dtensor_step=float(host.get("dtensor_step_us", 0.0)) * 1e-6,
-            collective_host=float(host.get("collective_us", 0.0)) * 1e-6,
-            sync_wait=float(host.get("sync_us", 0.0)) * 1e-6,
-            silu_rate=float(compute.get("silu_gelems", 0.0)) * 1e9,
-            silu_bwd_rate=float(compute.get("silu_bwd_gelems", 0.0)) * 1e9,
             extra=dict(data.get("measurements", {})),
         )
     except (TypeError, ValueError) as exc:

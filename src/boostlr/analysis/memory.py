@@ -1,8 +1,9 @@
 """Parameters each rank holds and the memory a training step needs on it (docs/design.md §4, §6).
 
-Parameter shards are not re-derived: the model is built on the meta device (no storage, so a
-30B model costs nothing) and each parameter's split dim comes from the strategy's own
-``param_spec``, so the counts are the ones the trainer materialises, padding included.
+Parameter shapes come from the model itself, built on the meta device (no storage, so a 30B
+model costs nothing); each parameter's split dim follows the strategies' sharding rules
+(:func:`shard_dim`, docs/design.md §3), and the tests check the resulting shard sizes against
+what the trainer materialises. Nothing here imports the parallel engine.
 Activation memory is an estimate of the tensors autograd saves per block under each
 ``act_ckpt`` mode, times the pipeline micro-batches in flight.
 """
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from boostlr.config import ModelConfig, ParallelConfig
-from boostlr.parallel.sharding import ShardSpec, chunk_range
 
 FP32 = 4
 BF16_CACHE = 2  # autocast keeps a bf16 copy of every weight it casts until the forward ends
@@ -35,12 +35,45 @@ def param_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return _param_shapes(tuple(sorted(dataclasses.asdict(cfg).items())))
 
 
-def _spec_fn(strategy: str | None):
-    from boostlr.parallel.tensor_parallel import STRATEGIES
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # Megatron's output-split
+VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
+
+def shard_dim(name: str, strategy: str | None) -> int | None:
+    """The dim a strategy splits parameter ``name`` along (``None``: replicated).
+
+    Megatron splits q/k/v/gate/up by output and o/down by input; vanilla splits each A's rank
+    rows and each B's rank columns; both are vocab-parallel. BTP splits the residual's d: the
+    embedding's columns, the norm gains, each A's input and each B's output (the head stays
+    vocab-parallel). Norm gains elsewhere and LaX's crossings are replicated.
+    """
     if strategy is None:
-        return lambda name, cfg, tp: ShardSpec(None)
-    return STRATEGIES[strategy].param_spec
+        return None
+    if strategy == "btp":
+        if name == "embed_tokens.weight" or name.endswith(".down.weight"):
+            return 1
+        if name == "norm.weight" or name.endswith(("layernorm.weight", ".up.weight")):
+            return 0
+        return 0 if name == "lm_head.weight" else None
+    if name in VOCAB:
+        return 0
+    if strategy == "vanilla":
+        return 0 if name.endswith(".down.weight") else 1 if name.endswith(".up.weight") else None
+    linear = name.split(".")[-2] if name.endswith(".weight") else ""
+    return 0 if linear in COLUMN else 1 if linear in ("o_proj", "down_proj") else None
+
+
+def chunk_range(size: int, rank: int, tp: int) -> tuple[int, int]:
+    """``[start, end)`` of rank's chunk of a dim of ``size``, split ``torch.chunk``-style."""
+    step = -(-size // tp)
+    start = min(rank * step, size)
+    return start, min(start + step, size)
+
+
+def stage_layers(n_layers: int, num_stages: int, stage: int) -> range:
+    """The blocks of pipeline stage ``stage`` (equal split, as the trainer's)."""
+    per = n_layers // num_stages
+    return range(stage * per, (stage + 1) * per)
 
 
 def _layer_of(name: str) -> int | None:
@@ -54,7 +87,6 @@ class RankParams:
     local: int  # elements after tensor-parallel sharding
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
-    tensors: int = 0  # parameter tensors (the optimizer's per-tensor ops on a CPU)
     largest_block: int = 0  # elements of the largest block before dp sharding
     roots: int = 0  # elements of the stages' root modules (embedding, norm, head) unsharded
 
@@ -64,11 +96,9 @@ class RankParams:
 
 
 def stage_modules(p: ParallelConfig, n_layers: int, pp_rank: int) -> list[tuple[range, bool, bool]]:
-    """(layers, first, last) of each stage a pp rank holds (same split as the trainer)."""
-    from boostlr.parallel.pipeline import stage_ids, stage_layers
-
+    """(layers, first, last) of each stage a pp rank holds (interleaved: rank + k*pp)."""
     out = []
-    for sid in stage_ids(p, pp_rank):
+    for sid in (pp_rank + k * p.pp for k in range(p.virtual_stages)):
         layers = stage_layers(n_layers, p.num_stages, sid)
         out.append((layers, sid == 0, sid == p.num_stages - 1))
     return out
@@ -98,11 +128,10 @@ def rank_params(
 def _rank_params(
     cfg: ModelConfig, strategy: str | None, p: ParallelConfig, pp_rank: int, tp_rank: int
 ) -> RankParams:
-    spec = _spec_fn(strategy)
     tp, dp = p.tp, p.dp
     local = 0
     modules: list[int] = []
-    largest = tensors = largest_block = roots = 0
+    largest = largest_block = roots = 0
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks = {i: 0 for i in layers}
@@ -119,14 +148,13 @@ def _rank_params(
             elif layer not in blocks:
                 continue
             dims = list(shape)
-            dim = spec(name, cfg, tp).dim
+            dim = shard_dim(name, strategy)
             if dim is not None:
                 start, end = chunk_range(dims[dim], tp_rank, tp)
                 dims[dim] = end - start
             n = math.prod(dims)
             padded = -(-dims[0] // dp) * math.prod(dims[1:])
             local += n
-            tensors += 1
             if layer is None:
                 root += padded
                 root_local += n
@@ -137,7 +165,7 @@ def _rank_params(
         largest = max([largest, root_local, *block_local.values()])
         largest_block = max([largest_block, *block_local.values()])
         roots += root_local
-    return RankParams(local, tuple(modules), largest, tensors, largest_block, roots)
+    return RankParams(local, tuple(modules), largest, largest_block, roots)
 
 
 def activation_bytes_per_block(

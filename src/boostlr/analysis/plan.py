@@ -12,11 +12,18 @@ import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 from boostlr.analysis.costmodel import Prediction, planning_config, predict
-from boostlr.analysis.hardware import HardwareProfile, as_dict
-from boostlr.config import PP_SCHEDULES, RunConfig, build_config, resolve_model, validate
+from boostlr.analysis.hardware import HardwareProfile
+from boostlr.config import (
+    PP_SCHEDULES,
+    RunConfig,
+    build_config,
+    resolve_layout,
+    resolve_model,
+    set_value,
+    validate,
+)
 from boostlr.errors import ConfigError
 
 SEARCH_OVERRIDES = [  # --search replaces the layout; model, data and train stay
@@ -43,7 +50,8 @@ def load_config(
     return build_config(file, extra + pairs)
 
 
-def _variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:
+def variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:
+    """``cfg`` with another arch (its rank and MLP re-resolved), strategy and ``act_ckpt``."""
     out = copy.deepcopy(cfg)
     m = out.model
     if arch != m.arch:
@@ -63,15 +71,9 @@ def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     Each row keeps the config's ``act_ckpt`` where it applies; ``lowrank`` (BTP regions only)
     becomes ``block`` for the two baselines, as in the paper-layout configs.
     """
-    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
     ckpt = cfg.parallel.act_ckpt
-    base_ckpt = "block" if ckpt == "lowrank" else ckpt
-    variants = [
-        ("full", "megatron", base_ckpt),
-        (lowrank, "vanilla", base_ckpt),
-        (lowrank, "btp", ckpt),
-    ]
-    return [predict(_variant(cfg, a, s, c), hw) for a, s, c in variants]
+    base = "block" if ckpt == "lowrank" else ckpt
+    return [predict(variant(cfg, a, s, ckpt if s == "btp" else base), hw) for a, s in families(cfg)]
 
 
 # ----------------------------------------------------------------------------- search
@@ -150,7 +152,7 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                             "train.global_batch": "0",
                         }
                         try:
-                            cand = _apply(cfg, over)
+                            cand = apply(cfg, over)
                         except ConfigError:
                             continue
                         tried += 1
@@ -184,10 +186,8 @@ def _copy(cfg: RunConfig) -> RunConfig:
     )
 
 
-def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
+def apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     """``cfg`` with the layout overrides, resolved and validated like the trainer's."""
-    from boostlr.config import resolve_layout, set_value
-
     out = _copy(cfg)
     for key, value in overrides.items():
         set_value(out, key, value)
@@ -196,87 +196,39 @@ def _apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     return out
 
 
-# ----------------------------------------------------------------------------- output
+def families(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(arch, strategy) of the three lines: dense megatron, low-rank vanilla and btp."""
+    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
+    return [("full", "megatron"), (lowrank, "vanilla"), (lowrank, "btp")]
 
 
-def plan_json(rows: list[Prediction], hw: HardwareProfile, cfg: RunConfig) -> dict[str, Any]:
-    out_rows = [r.row() for r in rows]
-    btp = next((r for r in rows if r.strategy == "btp"), None)
-    if btp is not None:
-        for row, pred in zip(out_rows, rows, strict=True):
-            row["btp_speedup"] = pred.step_time / btp.step_time
-    return {
-        "rows": out_rows,
-        "hardware": as_dict(hw),
-        "layout": rows[0].layout if rows else None,
-        "model": {
-            "preset": cfg.model.preset,
-            "dim": cfg.model.dim,
-            "n_layers": cfg.model.n_layers,
-            "ffn_dim": cfg.model.ffn_dim,
-            "rank": _rank_of(cfg),
-        },
-    }
+def search_form(cfg: RunConfig, gpus: int, global_batch: int) -> RunConfig:
+    """``cfg`` as ``--search --gpus`` builds it (layout reset), with a fixed global batch."""
+    over = dict(SEARCH_OVERRIDES)
+    over["parallel.nproc"] = str(gpus)
+    over["train.global_batch"] = str(global_batch)
+    return apply(cfg, over)
 
 
-def _rank_of(cfg: RunConfig) -> int | None:
-    return cfg.model.rank if cfg.model.lowrank else round(cfg.model.rank_ratio * cfg.model.dim)
+def best_layouts(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> dict[str, Candidate | None]:
+    """The fastest fitting layout of ``gpus`` GPUs per strategy line (None: nothing fits).
+
+    ``cfg`` is in search form; one enumeration per arch serves both low-rank lines.
+    """
+    out: dict[str, Candidate | None] = {}
+    by_arch: dict[str, list[Candidate]] = {}
+    for arch, strategy in families(cfg):
+        if arch not in by_arch:
+            base = variant(cfg, arch, "auto", "none") if arch != cfg.model.arch else cfg
+            by_arch[arch] = candidates(base, hw, gpus)[0]
+        allowed = (None, strategy)
+        out[strategy] = next((c for c in by_arch[arch] if c.prediction.strategy in allowed), None)
+    return out
 
 
-def search_json(cands: list[Candidate], hw: HardwareProfile, gpus: int) -> dict[str, Any]:
-    return {
-        "rows": [{**c.prediction.row(), "overrides": c.overrides} for c in cands],
-        "hardware": as_dict(hw),
-        "layout": {"gpus": gpus},
-    }
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
-
-
-def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    btp = next((r for r in rows if r.strategy == "btp"), None)
-    table = Table(title=title)
-    for col in (
-        "arch",
-        "strategy",
-        "layout",
-        "step s",
-        "compute s",
-        "exposed comm s",
-        "bubble s",
-        "TP GB/block fwd",
-        "GEMM intensity min/mean",
-        "memory GB/GPU",
-        "fits",
-        "btp speed-up",
-    ):
-        table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
-    for r in rows:
-        row = r.row()
-        lay = r.layout
-        layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
-        if lay["pp"] > 1:
-            layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
-        if lay["dp"] > 1:
-            layout += f" {lay['dp_mode']}"
-        table.add_row(
-            r.arch,
-            r.strategy or "none (tp 1)",
-            layout,
-            f"{r.step_time:.3f}",
-            f"{r.compute:.3f}",
-            f"{r.comm:.3f}",
-            f"{r.bubble:.3f}",
-            f"{r.tp_bytes_fwd_per_block / 2**30:.3f}",
-            f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
-            f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
-            "yes" if r.fits else "NO",
-            f"{r.step_time / btp.step_time:.2f}x" if btp else "-",
-        )
-    console = Console()
-    Console(width=max(console.width, 160)).print(table)
+def with_preset(cfg: RunConfig, preset: str) -> RunConfig:
+    """``cfg`` with another preset's shape (rank from ``rank_ratio``, the preset's vocab)."""
+    shape = dict.fromkeys(("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rank"))
+    model = dataclasses.replace(cfg.model, preset=preset, vocab_size=0, **shape)
+    resolve_model(model)
+    return dataclasses.replace(cfg, model=model)

@@ -19,6 +19,7 @@ from typing import Any
 from boostlr.config import RunConfig, from_dict, load_toml
 from boostlr.errors import BoostlrError
 from boostlr.models.counting import flops_per_token
+from boostlr.plots import require_matplotlib
 
 X_AXES = ("step", "tokens", "flops")
 X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "training FLOPs"}
@@ -122,16 +123,11 @@ def plot_runs(
         raise BoostlrError(
             f"--y {y!r} is in no run's metrics.jsonl: choose one of {', '.join(sorted(available))}"
         )
-    try:
-        import matplotlib
+    require_matplotlib("boostlr plot")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BoostlrError(
-            "boostlr plot needs matplotlib, which is not installed: pip install matplotlib "
-            "(or boostlr[plot])"
-        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     labels = [label(r.cfg) for r in runs]
     if len(set(labels)) < len(labels):  # same config twice: tell them apart by directory

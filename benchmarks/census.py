@@ -17,9 +17,9 @@ gather (embedding, ``gather``, ``index``, ``nll_loss``) reads the elements it re
 allocation touches nothing, ``copy_`` / ``fill_`` do not read their destination. A DTensor
 operand counts its local shard (the memory this rank touches), not its global shape.
 
-The cost model's op counts and element-wise traffic (``analysis/gemms.py``) are checked
-against this census in ``tests/test_costmodel.py``, and ``boostlr calibrate`` divides the time
-of a tiny block by its census to get the CPU cost of one dispatched op.
+A CPU tool, not part of the package (the cost model does not import it): run it to compare
+the cost model's element-wise bytes and kernel estimate (``analysis/gemms.py``) with what
+torch dispatches for one block of each strategy at TP 1 (``python benchmarks/census.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from boostlr.parallel.ledger import OPS
+from boostlr.parallel.ledger import OPS  # a CPU tool: it may read the engine
 
 GEMMS = ("aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.addmm.default")
 INDEXING = (
@@ -170,3 +170,50 @@ def census_backward(census: OpCensus, outputs: list[torch.Tensor]) -> None:
     census.phase = "bwd"
     with census:
         torch.autograd.backward(outputs, seeds)
+
+
+def _one_block(arch: str, layers: int, dim: int, seq: int) -> dict:
+    """Kernels and bytes of a whole one-device step with ``layers`` blocks (fp32)."""
+    from boostlr.config import build_config
+    from boostlr.parallel.engine import ParallelModel
+
+    over = {"model.preset": "tiny", "model.arch": arch, "model.n_layers": layers}
+    over |= {"model.dim": dim, "model.ffn_dim": 8 * dim // 3, "model.vocab_size": 256}
+    over |= {"data.seq_len": seq, "train.batch_size": 2}
+    cfg = build_config(overrides=[(k, str(v)) for k, v in over.items()])
+    part = ParallelModel.build(cfg, torch.device("cpu")).stages[0]
+    tokens = torch.randint(0, 256, (2, seq + 1), generator=torch.Generator().manual_seed(0))
+    part(tokens[:, :-1], targets=tokens[:, 1:]).backward()  # warm
+    part.zero_grad(set_to_none=True)
+    census = OpCensus()
+    with census:
+        loss = part(tokens[:, :-1], targets=tokens[:, 1:])
+    census_backward(census, [loss])
+    return {p: (census.count(p, "kernel"), census.moved(p, "kernel")) for p in ("fwd", "bwd")}
+
+
+def main() -> None:
+    """One block at one device (a 2-block step minus a 1-block one) against the cost model."""
+    from boostlr.analysis.gemms import block_elementwise, block_kernels
+    from boostlr.config import build_config
+
+    dim, seq = 256, 64
+    print(f"# census: one block, one device, fp32, d {dim}, 2 x {seq} tokens")
+    print(f"{'arch':<6}{'phase':<6}{'kernels':>9}{'model':>7}{'MB':>9}{'model MB':>10}")
+    for arch in ("full", "cola", "svd", "lax"):
+        one, two = _one_block(arch, 1, dim, seq), _one_block(arch, 2, dim, seq)
+        over = [("model.preset", "tiny"), ("model.arch", arch), ("model.dim", str(dim))]
+        m = build_config(overrides=[*over, ("model.ffn_dim", str(8 * dim // 3))]).model
+        kernels = block_kernels(m, None, 1, 1)
+        ew = block_elementwise(m, None, 1, 2 * seq, 4, 1)
+        for i, phase in enumerate(("fwd", "bwd")):
+            n, nbytes = two[phase][0] - one[phase][0], two[phase][1] - one[phase][1]
+            model_bytes = (ew.fwd, ew.bwd)[i]
+            print(
+                f"{arch:<6}{phase:<6}{n:>9}{kernels[i]:>7}{nbytes / 1e6:>9.2f}"
+                f"{model_bytes / 1e6:>10.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,6 @@
-"""``boostlr plan --plot``: the cost model's three views of a config, as one PNG.
+"""``boostlr plan``'s views of the cost model: its JSON, its table, and with ``--plot`` three
+figures of a config as one PNG (the layout searches are :mod:`boostlr.analysis.plan`'s; this
+module only presents them).
 
 (a) **Step-time breakdown** per strategy (dense ``full`` + ``megatron``, the config's low-rank
     arch under ``vanilla`` and ``btp``): compute, exposed communication and pipeline bubble, at
@@ -23,90 +25,28 @@ dozen layout searches (about 10 s on one CPU core), so the search space is ``--s
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from boostlr.analysis.costmodel import Prediction
-from boostlr.analysis.hardware import HardwareProfile
+from boostlr.analysis.hardware import HardwareProfile, as_dict
 from boostlr.analysis.plan import (
-    SEARCH_OVERRIDES,
     Candidate,
-    _apply,
-    _variant,
-    candidates,
+    best_layouts,
+    families,
+    search_form,
     strategy_rows,
+    with_preset,
 )
-from boostlr.config import RunConfig, resolve_model
+from boostlr.config import RunConfig
 from boostlr.errors import BoostlrError, ConfigError
 
 SCALING_GPUS = tuple(2**i for i in range(9))  # 1 .. 256
 WEAK_SCALING = (("1B", 1), ("3B", 2), ("7B", 4), ("13B", 8), ("30B", 16))
 COLORS = {"megatron": "#7f7f7f", "vanilla": "#d62728", "btp": "#1f77b4"}
 STYLES = {"megatron": "^-", "vanilla": "s--", "btp": "o-"}  # vanilla dashed: it meets btp
-
-
-def require_matplotlib() -> None:
-    """Fail before any work when the ``plot`` extra is missing (exit code 2)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise BoostlrError(
-            "--plot needs matplotlib: pip install 'boostlr[plot]' (or pip install matplotlib)"
-        ) from None
-
-
-def families(cfg: RunConfig) -> list[tuple[str, str]]:
-    """(arch, strategy) of the three lines: dense megatron, low-rank vanilla and btp."""
-    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
-    return [("full", "megatron"), (lowrank, "vanilla"), (lowrank, "btp")]
-
-
-def _label(arch: str, strategy: str) -> str:
-    return f"{arch} + {strategy}"
-
-
-def search_form(cfg: RunConfig, gpus: int, global_batch: int) -> RunConfig:
-    """``cfg`` as ``--search --gpus`` builds it (layout reset), with a fixed global batch."""
-    over = dict(SEARCH_OVERRIDES)
-    over["parallel.nproc"] = str(gpus)
-    over["train.global_batch"] = str(global_batch)
-    return _apply(cfg, over)
-
-
-def best_layouts(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> dict[str, Candidate | None]:
-    """The fastest fitting layout of ``gpus`` GPUs per strategy line (None: nothing fits).
-
-    ``cfg`` is in search form; one enumeration per arch serves both low-rank lines.
-    """
-    out: dict[str, Candidate | None] = {}
-    by_arch: dict[str, list[Candidate]] = {}
-    for arch, strategy in families(cfg):
-        if arch not in by_arch:
-            base = _variant(cfg, arch, "auto", "none") if arch != cfg.model.arch else cfg
-            by_arch[arch] = candidates(base, hw, gpus)[0]
-        allowed = (None, strategy)
-        out[strategy] = next((c for c in by_arch[arch] if c.prediction.strategy in allowed), None)
-    return out
-
-
-def _with_preset(cfg: RunConfig, preset: str) -> RunConfig:
-    """``cfg`` with another preset's shape (rank from ``rank_ratio``, the preset's vocab)."""
-    model = dataclasses.replace(
-        cfg.model,
-        preset=preset,
-        dim=None,
-        n_layers=None,
-        n_heads=None,
-        n_kv_heads=None,
-        ffn_dim=None,
-        rank=None,
-        vocab_size=0,
-    )
-    resolve_model(model)
-    return dataclasses.replace(cfg, model=model)
 
 
 def _point(c: Candidate | None) -> dict[str, Any] | None:
@@ -175,7 +115,7 @@ def plot_data(
     weak_rows = []
     for preset, n in weak:
         try:
-            best = best_layouts(search_form(_with_preset(cfg, preset), n, per_gpu * n), hw, n)
+            best = best_layouts(search_form(with_preset(cfg, preset), n, per_gpu * n), hw, n)
         except ConfigError:
             best = {}
         weak_rows.append({"preset": preset, "gpus": n, **{s: _point(best.get(s)) for _, s in fams}})
@@ -184,7 +124,7 @@ def plot_data(
     return {
         "title": f"{m.preset} {m.arch} (d {m.dim}, {m.n_layers} layers, seq "
         f"{cfg.data.seq_len}, {t.dtype}) on {hw.name}",
-        "lines": [{"arch": a, "strategy": s, "label": _label(a, s)} for a, s in fams],
+        "lines": [{"arch": a, "strategy": s, "label": f"{a} + {s}"} for a, s in fams],
         "breakdown": breakdown,
         "scaling": {"gpus": counts, "global_batch": global_batch, "points": scaling},
         "weak": {"sequences_per_gpu": per_gpu, "rows": weak_rows},
@@ -300,3 +240,89 @@ def draw(data: dict[str, Any], path: Path) -> None:
 
 def _layout_text(r: dict[str, Any]) -> str:
     return _short(r["layout"]) if "layout" in r else ""
+
+
+# ----------------------------------------------------------------------------- JSON and table
+
+
+def plan_json(rows: list[Prediction], hw: HardwareProfile, cfg: RunConfig) -> dict[str, Any]:
+    out_rows = [r.row() for r in rows]
+    btp = next((r for r in rows if r.strategy == "btp"), None)
+    if btp is not None:
+        for row, pred in zip(out_rows, rows, strict=True):
+            row["btp_speedup"] = pred.step_time / btp.step_time
+    return {
+        "rows": out_rows,
+        "hardware": as_dict(hw),
+        "layout": rows[0].layout if rows else None,
+        "model": {
+            "preset": cfg.model.preset,
+            "dim": cfg.model.dim,
+            "n_layers": cfg.model.n_layers,
+            "ffn_dim": cfg.model.ffn_dim,
+            "rank": _rank_of(cfg),
+        },
+    }
+
+
+def _rank_of(cfg: RunConfig) -> int | None:
+    return cfg.model.rank if cfg.model.lowrank else round(cfg.model.rank_ratio * cfg.model.dim)
+
+
+def search_json(cands: list[Candidate], hw: HardwareProfile, gpus: int) -> dict[str, Any]:
+    return {
+        "rows": [{**c.prediction.row(), "overrides": c.overrides} for c in cands],
+        "hardware": as_dict(hw),
+        "layout": {"gpus": gpus},
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    btp = next((r for r in rows if r.strategy == "btp"), None)
+    table = Table(title=title)
+    for col in (
+        "arch",
+        "strategy",
+        "layout",
+        "step s",
+        "compute s",
+        "exposed comm s",
+        "bubble s",
+        "TP GB/block fwd",
+        "GEMM intensity min/mean",
+        "memory GB/GPU",
+        "fits",
+        "btp speed-up",
+    ):
+        table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
+    for r in rows:
+        row = r.row()
+        lay = r.layout
+        layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
+        if lay["pp"] > 1:
+            layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
+        if lay["dp"] > 1:
+            layout += f" {lay['dp_mode']}"
+        table.add_row(
+            r.arch,
+            r.strategy or "none (tp 1)",
+            layout,
+            f"{r.step_time:.3f}",
+            f"{r.compute:.3f}",
+            f"{r.comm:.3f}",
+            f"{r.bubble:.3f}",
+            f"{r.tp_bytes_fwd_per_block / 2**30:.3f}",
+            f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
+            f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
+            "yes" if r.fits else "NO",
+            f"{r.step_time / btp.step_time:.2f}x" if btp else "-",
+        )
+    console = Console()
+    Console(width=max(console.width, 160)).print(table)
