@@ -283,14 +283,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     out = state_bytes(cfg, pp_rank)
     if p.dp > 1:
         if p.dp_mode == "fsdp":
-            # One block gathered and the next prefetched, with full gradients; the stage's
-            # root (embedding, norm, head) is FSDP's root module: gathered from its first
-            # forward to the end of the stage's backward, its full gradient reduced last.
-            # FSDP2 also stages each gather (copy-out) and reduce-scatter (copy-in) through
-            # one flat buffer of the unit's size: the largest unit's is the transient.
-            blocks = 2 * 2 * FP32 * params.largest_block
-            staging = FP32 * params.largest_module
-            out["gathered"] = blocks + 2 * FP32 * params.roots + staging
+            # Two blocks (one prefetched) and the root (gathered until the stage's backward
+            # ends) with full gradients, plus FSDP2's staging buffer for the largest unit.
+            blocks, roots = 2 * params.largest_block, params.roots
+            out["gathered"] = FP32 * (2 * (blocks + roots) + params.largest_module)
         else:  # parameters stay gathered from forward to backward
             out["gathered"] = FP32 * (params.local + params.largest_module)
     if a == 2:

@@ -87,8 +87,8 @@ class RankParams:
     local: int  # elements after tensor-parallel sharding
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
-    largest_block: int = 0  # elements of the largest block before dp sharding
-    roots: int = 0  # elements of the stages' root modules (embedding, norm, head) unsharded
+    largest_block: int = 0  # ... of the largest block; roots: the roots' (embedding, norm, head)
+    roots: int = 0
 
     @property
     def sharded(self) -> int:
@@ -162,9 +162,8 @@ def _rank_params(
                 blocks[layer] += padded
                 block_local[layer] += n
         modules += [*blocks.values(), root]
-        largest = max([largest, root_local, *block_local.values()])
         largest_block = max([largest_block, *block_local.values()])
-        roots += root_local
+        largest, roots = max(largest, root_local, largest_block), roots + root_local
     return RankParams(local, tuple(modules), largest, largest_block, roots)
 
 
