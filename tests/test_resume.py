@@ -148,3 +148,15 @@ def test_crafted_dcp_metadata_is_refused_not_executed(
     code, _, err = run_cli(["export", str(ckpt.path), "--out", str(tmp_path / "x")], capsys)
     assert code == 2 and "Traceback" not in err
     assert not marker.exists()
+
+
+def test_a_format_1_checkpoint_is_named_not_called_corrupted(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    step = tmp_path / "run" / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    (step / META_FILE).write_text(json.dumps({"format": 1, "step": 3, "files": {}}))
+    code, _, err = run_cli(["export", str(step), "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "has format 1" in err and "reads format 2" in err
+    assert not (tmp_path / "x").exists()

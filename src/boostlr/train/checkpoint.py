@@ -268,6 +268,19 @@ def newest_checkpoint(ckpt_root: Path) -> Checkpoint | None:
     return ckpts[-1] if ckpts else None
 
 
+def _check_format(path: Path) -> None:
+    """A checkpoint of another format is named as such, not reported as corrupted."""
+    try:
+        found = json.loads((path / META_FILE).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the caller's corruption message applies
+    if found is not None and found != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format {found}; this boostlr reads format {FORMAT_VERSION} "
+            "(sharded DCP directories) only: use a checkpoint written by this version"
+        )
+
+
 def read_checkpoint(path: Path) -> Checkpoint:
     """A checkpoint already verified by the caller (sizes re-checked, contents not rehashed)."""
     meta = _read_valid_meta(path, verify_hashes=False)
@@ -312,6 +325,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
             f"{path} is not a checkpoint (no {META_FILE}): pass runs/<run>/checkpoints/step_N "
             "or a run directory"
         )
+    _check_format(path)
     meta = _read_valid_meta(path, verify_hashes=True)
     if meta is None:
         raise CheckpointError(
