@@ -26,9 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 from boostlr.analysis.comm import per_block_forward, tp_comm_volume
 from boostlr.config import ModelConfig, build_config
 from boostlr.models.llama import build_model
-from boostlr.parallel.collectives import CommLedger, GroupComm
+from boostlr.parallel.collectives import CommLedger, GroupComm, all_reduce_
 from boostlr.parallel.context import TPContext
-from boostlr.parallel.tensor_parallel import TensorParallelModel, clip_gradients
+from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 VOCAB = 101  # not divisible by 2 or 4: exercises vocab padding
 BATCH, SEQ = 2, 8
@@ -223,7 +223,36 @@ def grad_norms(
     """Global gradient norms as clipping sees them (collective on the TP ranks)."""
     ref_misc = GroupComm(None, "tp_misc", reference.ctx.comm.ledger)
     misc = GroupComm(comm.group, "tp_misc", comm.ledger)
-    return reference.grad_norm(ref_misc).item(), tp_model.grad_norm(misc).item()
+    return grad_norm(reference, ref_misc).item(), grad_norm(tp_model, misc).item()
+
+
+def grad_norm(model: TensorParallelModel, misc: GroupComm) -> torch.Tensor:
+    """Global L2 norm of a sliced TP model's gradients (plain shards, not DTensors).
+
+    The trainer clips DTensor shards with ``ParallelModel.clip_gradients``; these tests drive
+    :class:`TensorParallelModel`'s slicing constructor directly, so they sum the sharded
+    squares over the TP ranks and count replicated tensors once.
+    """
+    sharded = torch.zeros((), dtype=torch.float32)
+    replicated = torch.zeros((), dtype=torch.float32)
+    for name, p in model.named_shards():
+        if p.grad is not None:
+            sq = p.grad.detach().float().pow(2).sum()
+            if model.specs[name].dim is None:
+                replicated += sq
+            else:
+                sharded += sq
+    all_reduce_(sharded, misc, "grad_norm")
+    return (sharded + replicated).sqrt()
+
+
+def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm) -> None:
+    """Clip by the whole model's norm, identically on every TP rank (as the trainer does)."""
+    total = grad_norm(model, misc)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
 
 
 def reload(

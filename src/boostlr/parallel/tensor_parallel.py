@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.models.params import local
 from boostlr.parallel import btp, megatron, single, vanilla
-from boostlr.parallel.collectives import GroupComm, all_reduce_
 from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.head_loss import head_cross_entropy
@@ -137,32 +136,3 @@ class TensorParallelModel(nn.Module):
 
     def shard_of(self, name: str, full: Tensor) -> Tensor:
         return shard_tensor(full, self.specs[name], self.ctx.comm.rank, self.ctx.comm.size)
-
-    def grad_norm(self, misc: GroupComm) -> Tensor:
-        """Global L2 norm of the gradients: sharded squares summed over TP, replicas once.
-
-        Accumulated on the gradients' device (NCCL cannot reduce CPU tensors).
-        """
-        grads = [(n, p.grad) for n, p in self.named_shards() if p.grad is not None]
-        device = grads[0][1].device if grads else torch.device("cpu")
-        sharded = torch.zeros((), dtype=torch.float32, device=device)
-        replicated = torch.zeros((), dtype=torch.float32, device=device)
-        for name, grad in grads:
-            sq = grad.detach().float().pow(2).sum()
-            if self.specs[name].dim is None:
-                replicated += sq
-            else:
-                sharded += sq
-        all_reduce_(sharded, misc, "grad_norm")
-        return (sharded + replicated).sqrt()
-
-
-def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm) -> float:
-    """Clip by the global norm of the *full* model, identically on every TP rank."""
-    total = model.grad_norm(misc)
-    if max_norm > 0 and torch.isfinite(total):
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.device, p.grad.dtype))
-    return float(total)
