@@ -283,10 +283,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     out = state_bytes(cfg, pp_rank)
     if p.dp > 1:
         if p.dp_mode == "fsdp":
-            # Two blocks (one prefetched) and the root (gathered until the stage's backward
-            # ends) with full gradients, plus FSDP2's staging buffer for the largest unit.
-            blocks, roots = 2 * params.largest_block, params.roots
-            out["gathered"] = FP32 * (2 * (blocks + roots) + params.largest_module)
+            # Two blocks (one prefetched) or the head/embedding unit, and the root (gathered
+            # to the stage's backward end), with full grads; FSDP2's staging buffer on top.
+            units = max(2 * params.largest_block, params.largest_module)
+            out["gathered"] = FP32 * (2 * (units + params.roots) + params.largest_module)
         else:  # parameters stay gathered from forward to backward
             out["gathered"] = FP32 * (params.local + params.largest_module)
     if a == 2:

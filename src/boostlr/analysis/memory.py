@@ -87,8 +87,8 @@ class RankParams:
     local: int  # elements after tensor-parallel sharding
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
-    largest_block: int = 0  # ... of the largest block; roots: the roots' (embedding, norm, head)
-    roots: int = 0
+    largest_block: int = 0  # ... of the largest block; roots: the stage roots' (final norm;
+    roots: int = 0  # embedding and head too when tied, else they are units of their own)
 
     @property
     def sharded(self) -> int:
@@ -134,9 +134,9 @@ def _rank_params(
     largest = largest_block = roots = 0
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
-        blocks = {i: 0 for i in layers}
-        block_local = {i: 0 for i in layers}
+        blocks, block_local = {i: 0 for i in layers}, {i: 0 for i in layers}
         root = root_local = 0
+        units: list[int] = []  # an untied embedding and head are FSDP units of their own
         for name, shape in shapes:
             layer = _layer_of(name)
             if layer is None:
@@ -155,13 +155,13 @@ def _rank_params(
             n = math.prod(dims)
             padded = -(-dims[0] // dp) * math.prod(dims[1:])
             local += n
-            if layer is None:
-                root += padded
-                root_local += n
+            if layer is None and name in VOCAB and not cfg.tie_embeddings:
+                units, largest = [*units, padded], max(largest, n)
+            elif layer is None:
+                root, root_local = root + padded, root_local + n
             else:
-                blocks[layer] += padded
-                block_local[layer] += n
-        modules += [*blocks.values(), root]
+                blocks[layer], block_local[layer] = blocks[layer] + padded, block_local[layer] + n
+        modules += [*blocks.values(), *units, root]
         largest_block = max([largest_block, *block_local.values()])
         largest, roots = max(largest, root_local, largest_block), roots + root_local
     return RankParams(local, tuple(modules), largest, largest_block, roots)

@@ -172,6 +172,34 @@ class Block(nn.Module):
         return x + m, {**z_attn, **z_mlp}
 
 
+class Embedding(nn.Embedding):
+    """Token embedding whose forward can run a strategy's per-rank form, as :class:`Block`'s.
+
+    Called as a module either way, so FSDP can make it a unit of its own: gathered only for
+    the lookup and for its gradient at the very end of the backward.
+    """
+
+    def forward(  # type: ignore[override]
+        self, tokens: torch.Tensor, impl: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        if impl is not None:
+            return impl(self, tokens)
+        return F.embedding(tokens, local(self.weight))
+
+
+class LMHead(nn.Linear):
+    """The LM head, called as a module for the same reason as :class:`Embedding`: as its own
+    FSDP unit its full gradient is reduced, and the gathered weight freed, as soon as its
+    backward ends instead of after the whole stage's."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, impl: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        if impl is not None:
+            return impl(self, x)
+        return F.linear(x, local(self.weight))
+
+
 class LlamaModel(nn.Module):
     """Decoder-only LM. ``forward(tokens)`` gives logits; with ``targets`` the mean CE loss.
 
@@ -193,11 +221,11 @@ class LlamaModel(nn.Module):
             raise ValueError("model vocab_size must be set (from the dataset) before building")
         self.cfg = cfg
         layers = range(cfg.n_layers) if layers is None else layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, device=device) if first else None
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.dim, device=device) if first else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, device) for i in layers})
         if last:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+            self.lm_head = LMHead(cfg.dim, cfg.vocab_size, bias=False, device=device)
         else:
             self.norm = self.lm_head = None
         if cfg.tie_embeddings and first and last:
@@ -219,13 +247,13 @@ class LlamaModel(nn.Module):
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head on the residual stream; with ``targets`` the mean CE loss."""
-        logits = F.linear(self.norm(x), local(self.lm_head.weight))
+        logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = F.embedding(tokens, local(self.embed_tokens.weight))
+        x = self.embed_tokens(tokens)
         rope = rope_tables(self.cfg, tokens.shape[1], device=tokens.device)
         z: Latents | None = None
         for block in self.layers.values():

@@ -129,9 +129,18 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 def apply_data_parallel(
     part: TensorParallelModel, comms: MeshComms, mode: str, dtype: str = "float32"
 ) -> None:
-    """``fully_shard`` each block, then the stage (embedding, final norm, head)."""
+    """``fully_shard`` each block, the embedding and the head, then the stage (final norm).
+
+    The embedding and the head are units of their own (unless tied: one parameter cannot be
+    in two units): inside the stage's root unit they would stay gathered, with their full
+    gradients, through the whole backward of the stage; as units they are gathered only
+    around their own forward and backward and their gradients are reduced as soon as their
+    backward ends. The traffic is the same: the root unit is resharded after forward too.
+    """
     reshard = mode == "fsdp"
-    modules = [*part.model.layers.values(), part]
+    model = part.model
+    own = [] if model.cfg.tie_embeddings else [model.embed_tokens, model.lm_head]
+    modules = [*model.layers.values(), *(m for m in own if m is not None), part]
     block_policy = mixed_precision(dtype)
     # Only the stage's own outputs go back to fp32; blocks hand bf16 to each other.
     block_policy = MixedPrecisionPolicy(

@@ -75,7 +75,8 @@ class TensorParallelModel(nn.Module):
         if self.model.first:
             tokens, *rest = inputs
             targets = rest[0] if rest else targets
-            x, z = s.embed(self.model, tokens, ctx), None
+            x = self.model.embed_tokens(tokens, impl=lambda _, t: s.embed(self.model, t, ctx))
+            z = None
         else:
             x, *zs = inputs
             z = dict(zip(LATENT_NAMES, zs, strict=True)) if zs else None
@@ -86,7 +87,11 @@ class TensorParallelModel(nn.Module):
         if not self.model.last:
             return (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else x
         h = s.head_input(self.model, x, ctx)
-        head = local(self.model.lm_head.weight)
+        return self.model.lm_head(h, impl=lambda lm_head, h_: self._head(lm_head, h_, targets))
+
+    def _head(self, lm_head: nn.Module, h: Tensor, targets: Tensor | None) -> Tensor:
+        """This rank's logits, or with ``targets`` the loss (fused with the head GEMM)."""
+        head, ctx = local(lm_head.weight), self.ctx
         if targets is not None and ctx.fused_loss:
             vocab = self.cfg.vocab_size
             return head_cross_entropy(h.flatten(0, 1), head, targets.flatten(), vocab, ctx.comm)
