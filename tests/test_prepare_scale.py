@@ -99,11 +99,49 @@ def test_every_phase_shows_throughput(tmp_path: Path, monkeypatch, capsys) -> No
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
     args = ["prepare", "--input", str(jsonl), "--out", str(tmp_path / "out")]
-    assert main([*args, "--tokenizer", "bpe:300"]) == 0
-    err = capsys.readouterr().err
-    for name in ("scan", "tokenizer", "encode"):
-        assert name in err, name
-    assert "MB/s" in err and "tok/s" in err and "docs" in err
+    stats = tmp_path / "stats.json"
+    assert main([*args, "--tokenizer", "bpe:300", "--stats", str(stats)]) == 0
+    captured = capsys.readouterr()
+    for name in ("scan", "tokenizer", "merges", "encode"):
+        assert name in captured.err, name
+    assert "MB/s" in captured.err and "tok/s" in captured.err and "docs" in captured.err
+    phases = {p["phase"]: p for p in json.loads(stats.read_text())}
+    assert list(phases) == ["scan", "tokenizer", "merges", "encode"]
+    for record in phases.values():
+        assert record["wall_s"] > 0 and record["cpu_s"] >= 0 and record["cores"] >= 0
+    assert phases["tokenizer"]["docs"] == phases["encode"]["docs"] == len(_docs())
+    assert set(phases["encode"]["stage_cores"]) == {"read", "write", "tokenise"}
+    assert "time: scan" in captured.out and "cores" in captured.out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_only_boostlr_draws_bars_while_training_a_tokenizer(tmp_path: Path) -> None:
+    """On a terminal the tokenizers library would draw its own bars; prepare turns them off."""
+    import pty
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
+    cmd = [sys.executable, "-m", "boostlr.cli", "prepare", "--input", str(jsonl)]
+    cmd += ["--out", str(tmp_path / "out"), "--tokenizer", "bpe:300"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, env=env, stdout=follower, stderr=follower)
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, output
+    text = output.decode("utf-8", errors="replace")
+    assert "wrote" in text and "encode" in text
+    for theirs in ("Pre-processing sequences", "Tokenize words", "Count pairs", "merges]"):
+        assert theirs not in text, theirs
 
 
 def _book(n_bytes: int, seed: int = 0) -> str:
