@@ -165,7 +165,8 @@ def _tokenizer(
 
     "tokenizer" lasts while the trainer reads the documents (it pre-tokenises and counts
     them on its own threads meanwhile); "merges" starts when they run out and ends with the
-    training, so the BPE merge loop has a bar and a time of its own.
+    training, so the BPE merge loop has a bar and a time of its own. The trainer takes
+    documents 256 at a time, so "merges" also holds the pre-tokenising of the last few.
     """
     vocab = parse_bpe_spec(spec)
     if vocab is None:
