@@ -3,9 +3,13 @@
 ``make-corpus`` writes about ``--mb`` MB of text under ``--out``: copies of the running
 Python's standard-library sources, each copy with its own renaming of common identifiers
 (so the copies are not byte-identical), as a directory of ``.txt`` files (one document
-each) and as ``.jsonl`` files (one document per line). ``run`` runs ``boostlr prepare`` as a
-child process and samples the RSS of its whole process tree (the sum, every 0.2 s) for the
-peak; cores used is the tree's CPU time over wall time. ``raw`` times
+each), as ``.jsonl`` files (one document per line) and as one big ``one/corpus.txt`` (the
+documents joined by blank lines; prepare reads it in 256 KiB pieces). ``run`` runs
+``boostlr prepare`` as a child process and samples the RSS of its whole process tree (the
+sum, every 0.2 s) for the peak; cores used is the tree's CPU time over wall time, and per
+phase (scan, tokenizer, merges, encode, and encode's read/tokenise/write threads) it is
+the process CPU time over the phase's wall time that prepare itself records (``--stats``).
+``raw`` times
 ``Tokenizer.encode_batch`` (``--fast``: ``encode_batch_fast``, which prepare uses) alone, in
 this process, on the same documents (read beforehand, in batches of about 16 MB, only the
 encode calls timed): the ceiling prepare is held to.
@@ -13,6 +17,7 @@ encode calls timed): the ceiling prepare is held to.
     python benchmarks/prepare_scale.py make-corpus --out /tmp/corpus --mb 1024
     python benchmarks/prepare_scale.py raw --corpus /tmp/corpus --tokenizer tok.json
     python benchmarks/prepare_scale.py run --corpus /tmp/corpus --input jsonl --tokenizer tok.json
+    python benchmarks/prepare_scale.py run --corpus /tmp/corpus --input one --tokenizer bpe:32000
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def make_corpus(out: Path, mb: int) -> None:
             continue
     (out / "txt").mkdir(parents=True)
     (out / "jsonl").mkdir()
+    (out / "one").mkdir()
+    one = open(out / "one" / "corpus.txt", "w", encoding="utf-8")
     target, written, copy = mb * MB, 0, 0
     jsonl = None
     while written < target:
@@ -63,12 +70,14 @@ def make_corpus(out: Path, mb: int) -> None:
             doc = _WORD.sub(lambda m: suffix[m.group(1)], text)  # noqa: B023
             (folder / f"{i:05d}.txt").write_text(doc, encoding="utf-8")
             jsonl.write(json.dumps({"text": doc}) + "\n")
+            one.write(doc + "\n\n")
             written += len(doc.encode("utf-8"))
             if written >= target:
                 break
         copy += 1
     jsonl.close()
-    print(f"wrote {written / MB:.0f} MB of text in {copy} copies to {out}/txt and {out}/jsonl")
+    one.close()
+    print(f"wrote {written / MB:.0f} MB of text in {copy} copies to {out}/txt, jsonl and one")
 
 
 def _jsonl_docs(corpus: Path):
@@ -160,7 +169,9 @@ def _rss_and_cpu(pids: list[int]) -> tuple[int, float]:
 def run(corpus: Path, kind: str, tokenizer: str, out: Path | None, keep: bool) -> None:
     out = out or Path(tempfile.mkdtemp(prefix="prepare-bench-")) / "data"
     cmd = [sys.executable, "-m", "boostlr.cli", "prepare", "--input", str(corpus / kind)]
+    stats = out.parent / f".{out.name}-stats.json"
     cmd += ["--out", str(out), "--tokenizer", tokenizer, "--val-fraction", "0.001"]
+    cmd += ["--stats", str(stats)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     peak, cpu_seen = 0, {}
@@ -185,6 +196,8 @@ def run(corpus: Path, kind: str, tokenizer: str, out: Path | None, keep: bool) -
     child = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = max(child.ru_utime + child.ru_stime, sum(cpu_seen.values()))
     manifest = json.loads((out / "manifest.json").read_text())
+    phases = json.loads(stats.read_text())
+    stats.unlink()
     tokens = sum(s["tokens"] for s in manifest["splits"].values())
     n_bytes = sum(f.stat().st_size for f in (corpus / kind).rglob("*") if f.is_file())
     print(stdout.strip(), file=sys.stderr)
@@ -202,11 +215,22 @@ def run(corpus: Path, kind: str, tokenizer: str, out: Path | None, keep: bool) -
                 "cores_used": cpu / wall,
                 "cpu_s_per_MB": cpu / (n_bytes / MB),
                 "returncode": proc.returncode,
+                "phases": phases,
             }
         )
     )
+    _phase_table(phases)
     if not keep:
         shutil.rmtree(out.parent if out.name == "data" else out, ignore_errors=True)
+
+
+def _phase_table(phases: list[dict]) -> None:
+    """Per phase: wall time, MB/s of the text it read, cores used (and by which threads)."""
+    print(f"{'phase':<10} {'wall s':>8} {'MB/s':>7} {'cores':>6}  threads' cores")
+    for p in phases:
+        rate = f"{p['bytes'] / MB / p['wall_s']:7.2f}" if p["bytes"] and p["wall_s"] else " " * 7
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in p["stage_cores"].items())
+        print(f"{p['phase']:<10} {p['wall_s']:8.1f} {rate} {p['cores']:6.2f}  {stages}")
 
 
 def main() -> None:
@@ -221,7 +245,7 @@ def main() -> None:
     r.add_argument("--fast", action="store_true", help="encode_batch_fast (no offsets)")
     p = sub.add_parser("run")
     p.add_argument("--corpus", type=Path, required=True)
-    p.add_argument("--input", choices=("txt", "jsonl"), required=True)
+    p.add_argument("--input", choices=("txt", "jsonl", "one"), required=True)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--keep", action="store_true", help="keep the prepared dataset")

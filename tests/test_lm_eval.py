@@ -84,10 +84,24 @@ def _train_and_export(arch: str, data: Path, root: Path) -> Path:
     return export_checkpoint(root / "run", root / "export")
 
 
+@pytest.fixture(scope="module")
+def task_manager(eval_text: Path, tmp_path_factory: pytest.TempPathFactory) -> object:
+    """The local task alone: indexing lm-eval's thousands of built-in tasks takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = _task_dir(tmp_path_factory.mktemp("tasks") / "tasks", eval_text)
+    return TaskManager(include_path=str(tasks), include_defaults=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["full", "svd", "cola", "lax"])
 def test_lm_eval_bits_per_byte_agrees_with_boostlr_eval(
-    arch: str, small_dataset: Path, eval_text: Path, tmp_path: Path, monkeypatch
+    arch: str,
+    small_dataset: Path,
+    eval_text: Path,
+    task_manager: object,
+    tmp_path: Path,
+    monkeypatch,
 ) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -111,9 +125,6 @@ def test_lm_eval_bits_per_byte_agrees_with_boostlr_eval(
     uniform = math.log2(json.loads((export / "config.json").read_text())["vocab_size"])
     assert ours.bits_per_byte < 0.85 * uniform * ours.tokens / ours.bytes  # it learned
 
-    from lm_eval.tasks import TaskManager
-
-    task_manager = TaskManager(include_path=str(_task_dir(tmp_path / "tasks", eval_text)))
     result = lm_eval.simple_evaluate(
         model="hf",
         model_args=f"pretrained={export},trust_remote_code=True,dtype=float32,max_length={SEQ_LEN}",

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import sysconfig
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from boostlr.cli import main
 from boostlr.data import EOS_TOKEN, TokenDataset, eos_id, prepare_dataset, train_bpe
+from boostlr.data.corpus import TEXT_PIECE_BYTES, iter_text_pieces
 from boostlr.data.encode import encode_stream
 from boostlr.data.progress import Meter
 
@@ -95,11 +99,113 @@ def test_every_phase_shows_throughput(tmp_path: Path, monkeypatch, capsys) -> No
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
     args = ["prepare", "--input", str(jsonl), "--out", str(tmp_path / "out")]
-    assert main([*args, "--tokenizer", "bpe:300"]) == 0
-    err = capsys.readouterr().err
-    for name in ("scan", "tokenizer", "encode"):
-        assert name in err, name
-    assert "MB/s" in err and "tok/s" in err and "docs" in err
+    stats = tmp_path / "stats.json"
+    assert main([*args, "--tokenizer", "bpe:300", "--stats", str(stats)]) == 0
+    captured = capsys.readouterr()
+    for name in ("scan", "tokenizer", "merges", "encode"):
+        assert name in captured.err, name
+    assert "MB/s" in captured.err and "tok/s" in captured.err and "docs" in captured.err
+    phases = {p["phase"]: p for p in json.loads(stats.read_text())}
+    assert list(phases) == ["scan", "tokenizer", "merges", "encode"]
+    for record in phases.values():
+        assert record["wall_s"] > 0 and record["cpu_s"] >= 0 and record["cores"] >= 0
+    assert phases["tokenizer"]["docs"] == phases["encode"]["docs"] == len(_docs())
+    assert set(phases["encode"]["stage_cores"]) == {"read", "write", "tokenise"}
+    assert "time: scan" in captured.out and "cores" in captured.out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_only_boostlr_draws_bars_while_training_a_tokenizer(tmp_path: Path) -> None:
+    """On a terminal the tokenizers library would draw its own bars; prepare turns them off."""
+    import pty
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()))
+    cmd = [sys.executable, "-m", "boostlr.cli", "prepare", "--input", str(jsonl)]
+    cmd += ["--out", str(tmp_path / "out"), "--tokenizer", "bpe:300"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, env=env, stdout=follower, stderr=follower)
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, output
+    text = output.decode("utf-8", errors="replace")
+    assert "wrote" in text and "encode" in text
+    for theirs in ("Pre-processing sequences", "Tokenize words", "Count pairs", "merges]"):
+        assert theirs not in text, theirs
+
+
+def _book(n_bytes: int, seed: int = 0) -> str:
+    """Paragraphs of multi-byte text, and one long line with no line break at all."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "ünïcödé", "✓", "数字", "𝔘𝔫𝔦"]
+    paragraphs, size = [], 0
+    while size < n_bytes:
+        lines = [" ".join(rng.choices(words, k=rng.randrange(3, 15))) for _ in range(3)]
+        paragraphs.append("\n".join(lines))
+        size += len(paragraphs[-1].encode("utf-8")) + 2
+        if len(paragraphs) == 40:
+            paragraphs.append("数字𝔘" * 5000)  # 50 kB, longer than a test's piece: hard cuts
+    return "\n\n".join(paragraphs)
+
+
+def test_a_big_text_file_is_read_in_bounded_pieces(tmp_path: Path) -> None:
+    text = _book(2_000_000)
+    path = tmp_path / "book.txt"
+    path.write_text(text, encoding="utf-8")
+    piece = 16 * 1024
+    tracemalloc.start()
+    try:
+        pieces = list(iter_text_pieces(path, piece))
+        peak = tracemalloc.get_traced_memory()[1] - sum(sys.getsizeof(p) for p in pieces)
+    finally:
+        tracemalloc.stop()
+    assert "".join(pieces) == text  # no character lost or split
+    assert all(len(p.encode("utf-8")) <= piece for p in pieces)
+    assert len(pieces) > 2_000_000 // piece
+    ends = [p.endswith("\n\n") for p in pieces[:-1]]
+    assert sum(ends) > 0.8 * len(ends)  # mostly between paragraphs
+    assert peak < 16 * piece, peak  # not the file's size
+
+
+def test_one_big_text_file_is_many_documents_with_a_val_split(tmp_path: Path) -> None:
+    text = _book(3 * TEXT_PIECE_BYTES + 1000, seed=1)
+    path = tmp_path / "book.txt"
+    path.write_text(text, encoding="utf-8")
+    tok = tmp_path / "tok.json"
+    train_bpe([text[:20_000]], 300).save(str(tok))
+    manifest = prepare_dataset(
+        [path], tmp_path / "data", str(tok), val_fraction=0.25, progress=False
+    )
+    pieces = list(iter_text_pieces(path))
+    assert len(pieces) >= 4 and manifest["documents"]["total"] == len(pieces)
+    assert manifest["documents"]["val"] == round(0.25 * len(pieces))
+    tokenizer = Tokenizer.from_file(str(tok))
+    docs = []
+    for split in ("train", "val"):
+        data = TokenDataset(tmp_path / "data", split)
+        ids = data.tokens(0, len(data)).tolist()
+        assert ids[-1] == 0
+        docs += [tokenizer.decode(d) for d in _split_at(ids, 0)]
+    assert sorted(docs) == sorted(pieces)
+
+
+def _split_at(ids: list[int], eos: int) -> list[list[int]]:
+    docs, start = [], 0
+    for i, token in enumerate(ids):
+        if token == eos:
+            docs.append(ids[start:i])
+            start = i + 1
+    return docs
 
 
 def _stdlib_corpus(root: Path, copies: int) -> Path:

@@ -8,6 +8,7 @@ a diverged run exits with code 1 after keeping its last good checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -43,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    p.add_argument(
+        "--stats",
+        default=None,
+        metavar="FILE",
+        help="write each phase's wall time, CPU time and cores used to FILE as JSON",
+    )
 
     t = sub.add_parser(
         "train",
@@ -162,9 +169,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_prepare(args: argparse.Namespace) -> None:
     from boostlr.data import prepare_dataset
+    from boostlr.data.progress import summary
 
     if not 0 <= args.val_fraction < 1:
         raise BoostlrError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    phases: list = []
     manifest = prepare_dataset(
         args.input,
         Path(args.out),
@@ -172,12 +181,17 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
         val_fraction=args.val_fraction,
         seed=args.seed,
         overwrite=args.overwrite,
+        phases=phases,
     )
     splits = manifest["splits"]
     print(
         f"wrote {args.out}: vocab {manifest['vocab_size']}, "
         + ", ".join(f"{name} {info['tokens']:,} tokens" for name, info in splits.items())
     )
+    print(f"time: {summary(phases)}")
+    if args.stats:
+        stats = [meter.stats() for meter in phases]
+        Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
 
 
 def _restart_with_allocator(cfg) -> None:

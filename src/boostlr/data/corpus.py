@@ -1,11 +1,11 @@
 """Finding and reading raw text documents.
 
-Inputs are plain files (.txt/.md/.py, one document each), JSON Lines (one document per line, in
-the ``text`` field), Parquet (the ``text`` column) or Arrow (the ``text`` column: the
-``data-*.arrow`` files of a Hugging Face ``datasets`` directory written by ``save_to_disk``,
-so such a directory, or a ``DatasetDict`` one, is an input as it is). The default corpus is
-the running Python's own standard library plus the pydoc topics, so a first run needs no
-download.
+Inputs are plain files (.txt/.md/.py, one document each; a file over 256 KiB is read as
+several, see :func:`iter_text_pieces`), JSON Lines (one document per line, in the ``text``
+field), Parquet (the ``text`` column) or Arrow (the ``text`` column: the ``data-*.arrow``
+files of a Hugging Face ``datasets`` directory written by ``save_to_disk``, so such a
+directory, or a ``DatasetDict`` one, is an input as it is). The default corpus is the
+running Python's own standard library plus the pydoc topics, so a first run needs no download.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ _STDLIB_EXCLUDE = frozenset(
     }
 )
 _STDLIB_MAX_FILE_BYTES = 400_000
+# Plain-text files larger than this are read as several documents of at most this size, so
+# memory stays bounded by it, whatever the file size, and a single big file still has
+# documents for a validation split; an EOS token every 256 KiB of text is rare next to any
+# training sequence length.
+TEXT_PIECE_BYTES = 256 * 1024
 
 
 def discover_files(paths: Sequence[str | Path]) -> list[Path]:
@@ -94,16 +99,47 @@ def iter_documents(files: Iterable[Path]) -> Iterator[str]:
         elif suffix == ".arrow":
             docs = _iter_arrow(path)
         else:
-            docs = [_read_text(path)]
+            docs = iter_text_pieces(path)
         yield from (doc for doc in docs if doc)
 
 
-def _read_text(path: Path) -> str:
-    """Whole file as one document; invalid UTF-8 is replaced rather than fatal."""
+def iter_text_pieces(path: Path, piece_bytes: int = TEXT_PIECE_BYTES) -> Iterator[str]:
+    """A plain-text file as documents of at most ``piece_bytes`` bytes, read piece by piece.
+
+    A file no larger than ``piece_bytes`` is one document. A larger one is cut after the last
+    blank line in each piece's final quarter, else after its last line break in the second
+    half, else at a character boundary, so documents (and the EOS between them) fall between
+    paragraphs where the text has them. The pieces concatenate to the file's text. Invalid
+    UTF-8 is replaced rather than fatal.
+    """
     try:
-        return path.read_bytes().decode("utf-8", errors="replace")
+        with path.open("rb") as fh:
+            buf = b""
+            while block := fh.read(piece_bytes):
+                buf += block
+                while len(buf) > piece_bytes:  # more follows this piece: cut it
+                    cut = _cut(buf, piece_bytes)
+                    yield buf[:cut].decode("utf-8", errors="replace")
+                    buf = buf[cut:]
+            if buf:
+                yield buf.decode("utf-8", errors="replace")
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror}; check the file permissions") from exc
+
+
+def _cut(buf: bytes, limit: int) -> int:
+    """End of the next piece of ``buf`` (at most ``limit``): a blank line, a line break, or a
+    character boundary."""
+    blank = buf.rfind(b"\n\n", limit * 3 // 4, limit)
+    if blank >= 0:
+        return blank + 2
+    newline = buf.rfind(b"\n", limit // 2, limit)
+    if newline >= 0:
+        return newline + 1
+    cut = limit
+    while cut > limit - 3 and buf[cut] & 0xC0 == 0x80:  # inside a UTF-8 character
+        cut -= 1
+    return cut
 
 
 def _iter_jsonl(path: Path) -> Iterator[str]:

@@ -4,13 +4,16 @@ Three stages overlap: a reader thread pulls documents (file reading, JSON or Arr
 into batches of about ``batch_chars`` characters, an encoder thread runs
 ``Tokenizer.encode_batch_fast`` on one batch (Rust, all cores, the GIL released) while the
 caller's thread turns the previous batch into token arrays and writes them. At most a few
-batches are alive at once, so memory depends on the batch size, not on the corpus.
+batches are alive at once, so memory depends on the batch size, not on the corpus. The
+reader's and the caller's CPU time go into the meter as stages ``read`` and ``write``; the
+rest of the phase's CPU time is the tokenizer's.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -42,9 +45,11 @@ def encode_stream(
     batch_chars = batch_chars or BATCH_CHARS
     batches: queue.Queue = queue.Queue(maxsize=_QUEUE_BATCHES)
     stop = threading.Event()
+    read_cpu: list[float] = []
     reader = threading.Thread(
-        target=_read, args=(documents, batch_chars, batches, stop), daemon=True
+        target=_read, args=(documents, batch_chars, batches, stop, read_cpu), daemon=True
     )
+    write_cpu = time.thread_time()
     reader.start()
     saved = tok.encode_special_tokens
     tok.encode_special_tokens = True
@@ -72,6 +77,8 @@ def encode_stream(
         _drain(batches)
         reader.join()
         tok.encode_special_tokens = saved
+        meter.stage_cpu_s["read"] = sum(read_cpu)
+        meter.stage_cpu_s["write"] = time.thread_time() - write_cpu
 
 
 def _encode(tok: Tokenizer, batch: list[str]) -> tuple[list[str], list[Any]]:
@@ -79,9 +86,17 @@ def _encode(tok: Tokenizer, batch: list[str]) -> tuple[list[str], list[Any]]:
 
 
 def _read(
-    documents: Iterable[str], batch_chars: int, out: queue.Queue, stop: threading.Event
+    documents: Iterable[str],
+    batch_chars: int,
+    out: queue.Queue,
+    stop: threading.Event,
+    cpu: list[float],
 ) -> None:
-    """Reader thread: batches into ``out``; an exception is handed over as the item."""
+    """Reader thread: batches into ``out``; an exception is handed over as the item.
+
+    Its CPU seconds are appended to ``cpu`` when it ends.
+    """
+    start = time.thread_time()
     try:
         batch: list[str] = []
         size = 0
@@ -97,6 +112,8 @@ def _read(
         _put(out, _DONE, stop)
     except BaseException as exc:  # re-raised in the caller's thread
         _put(out, exc, stop)
+    finally:
+        cpu.append(time.thread_time() - start)
 
 
 def _put(out: queue.Queue, item: object, stop: threading.Event) -> bool:

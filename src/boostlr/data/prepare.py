@@ -11,6 +11,7 @@ The directory is built under a temporary name next to ``out_dir`` and renamed in
 when complete, so a crash never leaves a half-written dataset that looks valid; Ctrl-C and
 SIGTERM remove the temporary directory (a rerun starts afresh). Encoding is a pipeline
 (:mod:`boostlr.data.encode`) whose memory is a few batches, whatever the corpus size.
+Each phase (scan, tokenizer, merges, encode) records its wall time and cores used.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from boostlr.data.corpus import (
     default_corpus_documents,
@@ -38,7 +40,7 @@ from boostlr.data.corpus import (
 )
 from boostlr.data.encode import encode_stream
 from boostlr.data.progress import Meter, phase
-from boostlr.data.tokenizer import eos_id, resolve_tokenizer
+from boostlr.data.tokenizer import eos_id, load_tokenizer, parse_bpe_spec, train_bpe
 from boostlr.errors import DataError
 from boostlr.fsutil import fsync_dir, fsync_file, replace_dir, sha256_file
 
@@ -58,8 +60,12 @@ def prepare_dataset(
     shard_tokens: int = 50_000_000,
     progress: bool = True,
     overwrite: bool = False,
+    phases: list[Meter] | None = None,
 ) -> dict[str, Any]:
-    """Tokenise ``inputs`` (None: built-in stdlib corpus) into ``out_dir``; return the manifest."""
+    """Tokenise ``inputs`` (None: built-in stdlib corpus) into ``out_dir``; return the manifest.
+
+    ``phases``, if given, receives one timed :class:`Meter` per phase as it ends.
+    """
     out = Path(out_dir).expanduser().absolute()
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction {val_fraction} must be in [0, 1); e.g. 0.01")
@@ -69,7 +75,15 @@ def prepare_dataset(
     documents, source = _document_source(inputs)
     with _terminate_as_interrupt():
         return _prepare(
-            documents, source, out, tokenizer, val_fraction, seed, shard_tokens, progress
+            documents,
+            source,
+            out,
+            tokenizer,
+            val_fraction,
+            seed,
+            shard_tokens,
+            progress,
+            [] if phases is None else phases,
         )
 
 
@@ -82,8 +96,9 @@ def _prepare(
     seed: int,
     shard_tokens: int,
     progress: bool,
+    phases: list[Meter],
 ) -> dict[str, Any]:
-    with phase(progress, "scan", None) as meter:
+    with phase(progress, "scan", None, phases) as meter:
         n_docs, n_text = _count_documents(documents(), meter)
     if n_text == 0:  # whitespace alone would still tokenise into a dataset of a few tokens
         raise DataError(
@@ -92,7 +107,7 @@ def _prepare(
         )
     val_docs = _val_indices(n_docs, val_fraction, seed)
 
-    tok = resolve_tokenizer(tokenizer, lambda: _metered(documents, progress, n_docs), progress)
+    tok = _tokenizer(tokenizer, documents, progress, n_docs, phases)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
     eos = eos_id(tok)
@@ -103,7 +118,7 @@ def _prepare(
         tok.save(str(tmp / TOKENIZER_FILE))
         fsync_file(tmp / TOKENIZER_FILE)
         writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
-        with phase(progress, "encode", n_docs) as meter:
+        with phase(progress, "encode", n_docs, phases) as meter:
             for index, ids in encode_stream(tok, documents(), eos, dtype, meter):
                 writers["val" if index in val_docs else "train"].write(ids)
         manifest = {
@@ -139,12 +154,33 @@ def _count_documents(documents: Iterable[str], meter: Meter) -> tuple[int, int]:
     return n_docs, n_text
 
 
-def _metered(documents: Callable[[], Iterator[str]], progress: bool, n_docs: int) -> Iterator[str]:
-    """The documents as the BPE trainer reads them, with a bar of their throughput."""
-    with phase(progress, "tokenizer", n_docs) as meter:
-        for doc in documents():
-            meter.advance(1, len(doc.encode("utf-8")))
-            yield doc
+def _tokenizer(
+    spec: str,
+    documents: Callable[[], Iterator[str]],
+    progress: bool,
+    n_docs: int,
+    phases: list[Meter],
+) -> Tokenizer:
+    """Load ``spec``, or train it as two phases: "tokenizer" and "merges".
+
+    "tokenizer" lasts while the trainer reads the documents (it pre-tokenises and counts
+    them on its own threads meanwhile); "merges" starts when they run out and ends with the
+    training, so the BPE merge loop has a bar and a time of its own. The trainer takes
+    documents 256 at a time, so "merges" also holds the pre-tokenising of the last few.
+    """
+    vocab = parse_bpe_spec(spec)
+    if vocab is None:
+        return load_tokenizer(spec)
+    with contextlib.ExitStack() as merges:
+
+        def fed() -> Iterator[str]:
+            with phase(progress, "tokenizer", n_docs, phases) as meter:
+                for doc in documents():
+                    meter.advance(1, len(doc.encode("utf-8")))
+                    yield doc
+            merges.enter_context(phase(progress, "merges", None, phases))
+
+        return train_bpe(fed(), vocab)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,12 @@ _FALLBACK_EOS_TOKENS = ("</s>", "<|end_of_text|>", "<eos>")
 MIN_VOCAB = 260
 
 
-def train_bpe(documents: Iterable[str], vocab_size: int, show_progress: bool = False) -> Tokenizer:
+def train_bpe(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE whose id 0 is ``EOS_TOKEN``; any string round-trips losslessly.
 
-    ``show_progress`` lets tokenizers draw its own bars for the merge phases (on a terminal).
+    The tokenizers library pre-tokenises and counts the documents on all cores (its Rust
+    threads take them from this iterator a few hundred at a time), then runs the merges. Its
+    own progress bars stay off: ``boostlr prepare`` draws one bar per phase itself.
     """
     _check_vocab(vocab_size)
     tok = Tokenizer(models.BPE())
@@ -33,7 +35,7 @@ def train_bpe(documents: Iterable[str], vocab_size: int, show_progress: bool = F
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
+        show_progress=False,
     )
     tok.train_from_iterator(documents, trainer=trainer)
     return tok
@@ -79,14 +81,12 @@ def parse_bpe_spec(spec: str) -> int | None:
     return vocab
 
 
-def resolve_tokenizer(
-    spec: str, documents_factory: Callable[[], Iterable[str]], show_progress: bool = False
-) -> Tokenizer:
+def resolve_tokenizer(spec: str, documents_factory: Callable[[], Iterable[str]]) -> Tokenizer:
     """Train (``bpe:VOCAB``, reading ``documents_factory()``) or load the tokenizer ``spec``."""
     vocab = parse_bpe_spec(spec)
     if vocab is None:
         return load_tokenizer(spec)
-    return train_bpe(documents_factory(), vocab, show_progress)
+    return train_bpe(documents_factory(), vocab)
 
 
 def eos_id(tok: Tokenizer) -> int:
