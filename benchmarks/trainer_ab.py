@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -56,12 +57,16 @@ def variants(args: argparse.Namespace) -> list[dict]:
         return [
             {"label": "mallopt (glibc heap kept)", "env": {"BOOSTLR_NO_ALLOCATOR_PRELOAD": "1"}},
             {"label": "glibc defaults", "args": ["--train.cpu_alloc_cache", "false"]},
-            {"label": "jemalloc preload (default)"},
+            {
+                "label": "jemalloc, its default purging",
+                "env": {"MALLOC_CONF": "dirty_decay_ms:10000,muzzy_decay_ms:0"},
+            },
+            {"label": "jemalloc preload (default: pages kept)"},
         ]
     if not args.before:
         sys.exit("give --allocators or --before DIR")
     before = {"label": f"before ({args.before})", "src": Path(args.before) / "src"}
-    before["args"] = list(args.before_args)
+    before["args"] = shlex.split(args.before_args)
     return [before, {"label": "this tree"}]
 
 
@@ -69,7 +74,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--allocators", action="store_true")
     ap.add_argument("--before", default="", help="a checkout of an earlier commit")
-    ap.add_argument("--before-args", nargs="*", default=[], help="extra args for it only")
+    ap.add_argument(
+        "--before-args", default="", help='extra args for it only, one string: "--parallel.x y"'
+    )
     ap.add_argument("--preset", default="60M")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)

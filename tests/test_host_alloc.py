@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from boostlr.train import host_alloc
+
 PROBE = """
 import sys, torch
 from boostlr.train.host_alloc import keep_freed_host_memory
@@ -32,3 +34,21 @@ def _kept_mb(mode: str) -> float:
 def test_freed_block_stays_resident_only_with_the_cache():
     assert _kept_mb("on") > 200  # served from the heap, kept for the next step
     assert _kept_mb("off") < 50  # default glibc: mmap'd and returned on free
+
+
+@pytest.mark.skipif(
+    host_alloc.find_allocator() is None or "jemalloc" not in str(host_alloc.find_allocator()),
+    reason="jemalloc is not installed (.ci/run installs libjemalloc2)",
+)
+def test_cpu_ranks_get_jemalloc_keeping_its_pages_unless_the_user_configures_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    monkeypatch.delenv(host_alloc.NO_PRELOAD_ENV, raising=False)
+    env = host_alloc.allocator_env(True, "cpu")
+    assert "jemalloc" in env["LD_PRELOAD"].split(":")[0]
+    assert env["MALLOC_CONF"] == host_alloc.JEMALLOC_KEEP
+    monkeypatch.setenv("MALLOC_CONF", "narenas:2")
+    assert "MALLOC_CONF" not in host_alloc.allocator_env(True, "cpu")
+    assert host_alloc.allocator_env(True, "cuda") == {}
+    assert host_alloc.allocator_env(False, "cpu") == {}

@@ -5,8 +5,8 @@ FSDP's gathered buffers). glibc serves each one above its mmap threshold with a 
 ``mmap``, so the kernel zero-fills it page by page again every step. Keeping them in glibc's
 heap (``mallopt``: no mmap, no trim) avoids that, but glibc then fails to reuse freed
 64-byte-aligned chunks (torch's CPU alignment) once small allocations sit in their slack,
-and the heap only grows. jemalloc and tcmalloc keep freed memory for reuse and give it back
-to the system, so the launcher preloads one of them into CPU ranks when the library is on
+and the heap only grows. jemalloc and tcmalloc keep freed memory for reuse without that
+ratchet, so the launcher preloads one of them into CPU ranks when the library is on
 the machine (Debian: ``libjemalloc2``); the ``mallopt`` cache remains the fallback without
 one. On CUDA none of this matters: the caching allocator holds device memory.
 """
@@ -26,6 +26,13 @@ _KEEP_ALL = 2**31 - 1
 
 # Set (to anything) to keep glibc with the mallopt cache even where jemalloc is installed.
 NO_PRELOAD_ENV = "BOOSTLR_NO_ALLOCATOR_PRELOAD"
+
+# jemalloc's pages are kept for reuse, never handed back on a timer: a step frees and
+# reallocates the same large buffers, and purging them between steps made the kernel
+# zero-fill them again (the cost the cache exists to avoid). jemalloc still reuses what is
+# freed, so the resident set stays at the working set's high-water mark, without glibc's
+# ratchet. A MALLOC_CONF the user sets wins.
+JEMALLOC_KEEP = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 # Preferred first; the sonames Debian/Ubuntu and RHEL ship.
 ALLOCATOR_SONAMES = ("libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -76,7 +83,10 @@ def allocator_env(enabled: bool, device_type: str) -> dict[str, str]:
     library = preloaded_allocator() or find_allocator()
     if library is None:
         return {}
-    return {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
+    env = {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
+    if "jemalloc" in Path(library).name and "MALLOC_CONF" not in os.environ:
+        env["MALLOC_CONF"] = JEMALLOC_KEEP
+    return env
 
 
 def keep_freed_host_memory() -> bool:
