@@ -82,6 +82,21 @@ class Part:
         return time.perf_counter() - started, loss
 
 
+def timed_step(part: Part, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of one step between two barriers.
+
+    The CPU time is this rank's own work, which other jobs on a busy machine do not inflate.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    started, cpu = time.perf_counter(), time.thread_time()
+    part.step(inputs, targets)
+    cpu = time.thread_time() - cpu
+    dist.barrier()
+    return time.perf_counter() - started, cpu
+
+
 def interleave(
     labels: Sequence[str], run: Callable[[str], float], rounds: int, steps: int
 ) -> dict[str, list[float]]:

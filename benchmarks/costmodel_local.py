@@ -25,13 +25,13 @@ import argparse
 import logging
 import os
 import statistics
-import time
 
 import torch
+from common import run_config
 
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import HardwareProfile, load_profile, user_dir
-from boostlr.config import RunConfig, build_config, from_dict, to_dict
+from boostlr.config import RunConfig, from_dict, to_dict
 from boostlr.errors import ConfigError
 
 STRATEGIES = [("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")]
@@ -50,19 +50,16 @@ def config(args: argparse.Namespace, arch: str, strategy: str) -> RunConfig:
         "parallel.act_ckpt": args.act_ckpt,
         "parallel.device": "cpu",
     }
-    cfg = build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
-    cfg.model.vocab_size = args.vocab
-    return cfg
+    return run_config({**overrides, "model.vocab_size": args.vocab})
 
 
 def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> dict:
     """Median seconds per step of each config, on this rank."""
     import torch.distributed as dist
+    from common import Part, random_batch, timed_step
 
-    from boostlr.parallel.engine import ParallelModel
     from boostlr.parallel.launch import init_distributed
     from boostlr.train.host_alloc import keep_freed_host_memory
-    from boostlr.train.optim import build_optimizer
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cfgs = [from_dict(d) for d in cfg_dicts]
@@ -70,34 +67,16 @@ def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> 
     init_distributed(device, TP, pin_cores=True)  # as the trainer (parallel.pin_cores)
     torch.set_num_threads(threads)  # after init_distributed, which applies OMP_NUM_THREADS
     keep_freed_host_memory()  # as the trainer on CPU (train.cpu_alloc_cache, default on)
-    runs = []
-    for cfg in cfgs:
-        model = ParallelModel.build(cfg, device)
-        optimizer = build_optimizer(model.parameters(), cfg.train)  # fused, as the trainer
-        runs.append((cfg, model, optimizer))
-    gen = torch.Generator().manual_seed(0)
-    b, s = cfgs[0].train.batch_size, cfgs[0].data.seq_len
-    tokens = torch.randint(0, cfgs[0].model.vocab_size, (b, s + 1), generator=gen)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    parts = [Part.build(cfg, device) for cfg in cfgs]
+    inputs, targets = random_batch(
+        cfgs[0].model.vocab_size, cfgs[0].train.batch_size, cfgs[0].data.seq_len, device
+    )
 
-    def step(
-        cfg: RunConfig, model: ParallelModel, optimizer: torch.optim.Optimizer
-    ) -> tuple[float, float]:
-        dist.barrier()
-        started, cpu = time.perf_counter(), time.thread_time()
-        optimizer.zero_grad(set_to_none=True)
-        model.forward_backward(inputs, targets)
-        model.clip_gradients(cfg.train.grad_clip)
-        optimizer.step()
-        cpu = time.thread_time() - cpu  # before the barrier: this rank's own work
-        dist.barrier()
-        return time.perf_counter() - started, cpu
-
-    times: list[list[float]] = [[] for _ in runs]
-    cpu: list[list[float]] = [[] for _ in runs]
+    times: list[list[float]] = [[] for _ in parts]
+    cpu: list[list[float]] = [[] for _ in parts]
     for i in range(warmup + steps):
-        for j, run in enumerate(runs):
-            wall, busy = step(*run)
+        for j, part in enumerate(parts):
+            wall, busy = timed_step(part, inputs, targets)
             if i >= warmup:
                 times[j].append(wall)
                 cpu[j].append(busy)

@@ -17,13 +17,13 @@ import collections
 import os
 import platform
 import statistics
-import time
 
 import torch
+from common import run_config
 
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import load_profile
-from boostlr.config import RunConfig, build_config, from_dict, to_dict
+from boostlr.config import RunConfig, from_dict, to_dict
 from boostlr.errors import ConfigError
 
 CASES = [("cola", "btp"), ("lax", "btp"), ("cola", "vanilla"), ("lax", "vanilla")]
@@ -42,54 +42,39 @@ def config(args: argparse.Namespace, arch: str, strategy: str) -> RunConfig:
         "parallel.tp_strategy": strategy,
         "parallel.device": "cpu",
     }
-    return build_config(overrides=[(k, str(v)) for k, v in over.items()])
+    return run_config(over)
 
 
 def _rank(cfg_dicts: list[dict], threads: int, rounds: int, steps: int) -> dict:
     import torch.distributed as dist
+    from common import Part, random_batch, timed_step
     from torch.profiler import ProfilerActivity, profile
 
-    from boostlr.parallel.engine import ParallelModel
     from boostlr.parallel.launch import init_distributed
-    from boostlr.train.optim import build_optimizer
 
     cfgs = [from_dict(d) for d in cfg_dicts]
     device = torch.device("cpu")
     init_distributed(device, TP, pin_cores=True)
     torch.set_num_threads(threads)
-    runs = []
-    for cfg in cfgs:
-        model = ParallelModel.build(cfg, device)
-        runs.append((cfg, model, build_optimizer(model.parameters(), cfg.train)))
-    b, s, v = cfgs[0].train.batch_size, cfgs[0].data.seq_len, cfgs[0].model.vocab_size
-    tokens = torch.randint(0, v, (b, s + 1), generator=torch.Generator().manual_seed(0))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    parts = [Part.build(cfg, device) for cfg in cfgs]
+    inputs, targets = random_batch(
+        cfgs[0].model.vocab_size, cfgs[0].train.batch_size, cfgs[0].data.seq_len, device
+    )
 
-    def step(cfg: RunConfig, model, optimizer) -> tuple[float, float]:
-        dist.barrier()
-        started, cpu = time.perf_counter(), time.thread_time()
-        optimizer.zero_grad(set_to_none=True)
-        model.forward_backward(inputs, targets)
-        model.clip_gradients(cfg.train.grad_clip)
-        optimizer.step()
-        cpu = time.thread_time() - cpu  # this rank's own work: other jobs do not inflate it
-        dist.barrier()
-        return time.perf_counter() - started, cpu
-
-    for run in runs:  # warm-up
-        step(*run)
-    times: list[list[float]] = [[] for _ in runs]
-    cpus: list[list[float]] = [[] for _ in runs]
+    for part in parts:  # warm-up
+        timed_step(part, inputs, targets)
+    times: list[list[float]] = [[] for _ in parts]
+    cpus: list[list[float]] = [[] for _ in parts]
     for _ in range(rounds):
-        for i, run in enumerate(runs):
+        for i, part in enumerate(parts):
             for _ in range(steps):
-                wall, cpu = step(*run)
+                wall, cpu = timed_step(part, inputs, targets)
                 times[i].append(wall)
                 cpus[i].append(cpu)
     by_op = []
-    for run in runs:  # where the time goes, by aten op (this rank's CPU time)
+    for part in parts:  # where the time goes, by aten op (this rank's CPU time)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step(*run)
+            timed_step(part, inputs, targets)
         ops: collections.Counter = collections.Counter()
         for e in prof.key_averages():
             if e.key.startswith("aten::"):
