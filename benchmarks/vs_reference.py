@@ -18,9 +18,10 @@ norm, AdamW, zero the gradients. The reference's step is its ``main.py`` loop (d
 clipping, its host-allocator setting ``train.cpu_alloc_cache``). bf16 means autocast on both.
 
 Every measurement runs in a fresh process and the rounds are interleaved (ref, boostlr, ...)
-so machine noise hits all alike. ``ref+alloc`` runs the reference under the same glibc
-settings as boostlr's allocator cache (through the ``MALLOC_*_`` environment tunables), which
-separates what the framework's allocator setting buys from what its kernels buy.
+so machine noise hits all alike. boostlr's children run under the host allocator its trainer
+uses on CPU (jemalloc preloaded, pages kept, when installed; else glibc's heap kept through the
+``MALLOC_*_`` tunables); ``ref+alloc`` runs the reference under the same, which separates what
+the framework's allocator setting buys from what its kernels buy.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def child_boostlr(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the trainer on CPU
-    cache_host_memory()  # train.cpu_alloc_cache (default true), as the trainer's ranks
+    cache_host_memory()  # mallopt only if no jemalloc was preloaded (see _trainer_allocator)
     cfg = run_config(
         {
             "model.preset": "60M",
@@ -118,6 +119,14 @@ def _tokens(torch):
     return torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"] + 1), generator=gen)
 
 
+def _trainer_allocator() -> dict[str, str]:
+    """The host allocator a one-process ``boostlr train`` runs under (train.cpu_alloc_cache):
+    jemalloc preloaded with its pages kept when installed, else glibc told to keep its heap."""
+    from boostlr.train.host_alloc import allocator_env
+
+    return allocator_env(True, "cpu") or GLIBC_KEEP
+
+
 def _run_child(variant: str, dtype: str, args: argparse.Namespace) -> float:
     """Median step time of one fresh process."""
     compiled = variant == "boostlr+compile"
@@ -129,8 +138,8 @@ def _run_child(variant: str, dtype: str, args: argparse.Namespace) -> float:
     cmd += ["--no-grouping"] if args.no_grouping else []
     cmd += ["--unfused-loss"] if variant == "boostlr-unfused" else []
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if variant == "ref+alloc":
-        env.update(GLIBC_KEEP)
+    if variant == "ref+alloc" or variant.startswith("boostlr"):
+        env.update(_trainer_allocator())
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise SystemExit(f"{variant} {dtype} failed:\n{out.stderr[-3000:]}")
