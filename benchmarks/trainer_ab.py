@@ -57,11 +57,11 @@ def variants(args: argparse.Namespace) -> list[dict]:
         return [
             {"label": "mallopt (glibc heap kept)", "env": {"BOOSTLR_NO_ALLOCATOR_PRELOAD": "1"}},
             {"label": "glibc defaults", "args": ["--train.cpu_alloc_cache", "false"]},
+            {"label": "jemalloc preload (default: its own purging)"},
             {
-                "label": "jemalloc, its default purging",
-                "env": {"MALLOC_CONF": "dirty_decay_ms:10000,muzzy_decay_ms:0"},
+                "label": "jemalloc, pages kept (MALLOC_CONF)",
+                "env": {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"},
             },
-            {"label": "jemalloc preload (default: pages kept)"},
         ]
     if not args.before:
         sys.exit("give --allocators or --before DIR")

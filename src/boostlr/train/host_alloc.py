@@ -27,11 +27,10 @@ _KEEP_ALL = 2**31 - 1
 # Set (to anything) to keep glibc with the mallopt cache even where jemalloc is installed.
 NO_PRELOAD_ENV = "BOOSTLR_NO_ALLOCATOR_PRELOAD"
 
-# jemalloc's pages are kept for reuse, never handed back on a timer: a step frees and
-# reallocates the same large buffers, and purging them between steps made the kernel
-# zero-fill them again (the cost the cache exists to avoid). jemalloc still reuses what is
-# freed, so the resident set stays at the working set's high-water mark, without glibc's
-# ratchet. A MALLOC_CONF the user sets wins.
+# jemalloc with its freed pages kept for reuse, never purged on a timer: faster on CPU (the
+# step's buffers are not faulted in again) but every transient stays resident, so a large
+# model's peak is higher. Not the default; benchmarks/trainer_ab.py measures both, and a user
+# can set it through MALLOC_CONF.
 JEMALLOC_KEEP = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 # Preferred first; the sonames Debian/Ubuntu and RHEL ship.
@@ -83,10 +82,7 @@ def allocator_env(enabled: bool, device_type: str) -> dict[str, str]:
     library = preloaded_allocator() or find_allocator()
     if library is None:
         return {}
-    env = {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
-    if "jemalloc" in Path(library).name and "MALLOC_CONF" not in os.environ:
-        env["MALLOC_CONF"] = JEMALLOC_KEEP
-    return env
+    return {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
 
 
 def keep_freed_host_memory() -> bool:
