@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src"
+JEMALLOC_KEEP = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # as boostlr.train.host_alloc
 
 
 def run_once(variant: dict, args: argparse.Namespace) -> dict:
@@ -57,11 +58,9 @@ def variants(args: argparse.Namespace) -> list[dict]:
         return [
             {"label": "mallopt (glibc heap kept)", "env": {"BOOSTLR_NO_ALLOCATOR_PRELOAD": "1"}},
             {"label": "glibc defaults", "args": ["--train.cpu_alloc_cache", "false"]},
-            {"label": "jemalloc preload (default: its own purging)"},
-            {
-                "label": "jemalloc, pages kept (MALLOC_CONF)",
-                "env": {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"},
-            },
+            # jemalloc preloaded (the default); one process keeps its pages, ranks purge.
+            {"label": "jemalloc, its own purging", "env": {"MALLOC_CONF": "dirty_decay_ms:10000"}},
+            {"label": "jemalloc, pages kept", "env": {"MALLOC_CONF": JEMALLOC_KEEP}},
         ]
     if not args.before:
         sys.exit("give --allocators or --before DIR")

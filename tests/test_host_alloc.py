@@ -40,13 +40,18 @@ def test_freed_block_stays_resident_only_with_the_cache():
     host_alloc.find_allocator() is None or "jemalloc" not in str(host_alloc.find_allocator()),
     reason="jemalloc is not installed (.ci/run installs libjemalloc2)",
 )
-def test_cpu_ranks_get_jemalloc_preloaded_and_nothing_else_is_set(
+def test_ranks_get_jemalloc_and_one_process_keeps_its_pages_unless_the_user_configures_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(host_alloc.NO_PRELOAD_ENV, raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    env = host_alloc.allocator_env(True, "cpu")
-    assert list(env) == ["LD_PRELOAD"]  # jemalloc's own purging: a large model's peak stays low
-    assert "jemalloc" in env["LD_PRELOAD"].split(":")[0]
-    assert host_alloc.allocator_env(True, "cuda") == {}
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    ranks = host_alloc.allocator_env(True, "cpu")
+    assert list(ranks) == ["LD_PRELOAD"]  # jemalloc's own purging: a sharded model's peak
+    assert "jemalloc" in ranks["LD_PRELOAD"].split(":")[0]
+    one = host_alloc.allocator_env(True, "cpu", keep_pages=True)
+    assert one["MALLOC_CONF"] == host_alloc.JEMALLOC_KEEP
+    monkeypatch.setenv("MALLOC_CONF", "narenas:2")
+    assert "MALLOC_CONF" not in host_alloc.allocator_env(True, "cpu", keep_pages=True)
+    assert host_alloc.allocator_env(True, "cuda", keep_pages=True) == {}
     assert host_alloc.allocator_env(False, "cpu") == {}

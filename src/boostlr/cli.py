@@ -208,7 +208,8 @@ def _restart_with_allocator(cfg) -> None:
         return
     if cfg.parallel.world_size != 1 or cfg.parallel.max_restarts:
         return
-    env = allocator_env(cfg.train.cpu_alloc_cache, resolve_device(cfg.parallel.device).type)
+    device = resolve_device(cfg.parallel.device).type
+    env = allocator_env(cfg.train.cpu_alloc_cache, device, keep_pages=True)
     if env:
         sys.stdout.flush()
         sys.stderr.flush()

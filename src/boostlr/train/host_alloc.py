@@ -27,10 +27,10 @@ _KEEP_ALL = 2**31 - 1
 # Set (to anything) to keep glibc with the mallopt cache even where jemalloc is installed.
 NO_PRELOAD_ENV = "BOOSTLR_NO_ALLOCATOR_PRELOAD"
 
-# jemalloc with its freed pages kept for reuse, never purged on a timer: faster on CPU (the
-# step's buffers are not faulted in again) but every transient stays resident, so a large
-# model's peak is higher. Not the default; benchmarks/trainer_ab.py measures both, and a user
-# can set it through MALLOC_CONF.
+# jemalloc with its freed pages kept for reuse, never purged on a timer: a one-process run's
+# step reallocates the same large buffers, and purging them made the kernel fault them in
+# again. Several ranks keep jemalloc's own purging: kept pages keep every rank's build and
+# gather transients resident, which raised a large sharded model's peak.
 JEMALLOC_KEEP = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 # Preferred first; the sonames Debian/Ubuntu and RHEL ship.
@@ -71,18 +71,23 @@ def with_allocator(env: dict[str, str], library: str) -> dict[str, str]:
     return {**env, "LD_PRELOAD": ":".join([library, *current])}
 
 
-def allocator_env(enabled: bool, device_type: str) -> dict[str, str]:
+def allocator_env(enabled: bool, device_type: str, keep_pages: bool = False) -> dict[str, str]:
     """Environment for CPU ranks to start with a caching allocator preloaded.
 
     Empty when not on CPU, when ``train.cpu_alloc_cache`` is off, or when no jemalloc or
-    tcmalloc is installed (the ranks then fall back to the ``mallopt`` cache).
+    tcmalloc is installed (the ranks then fall back to the ``mallopt`` cache). ``keep_pages``
+    (a one-process run) also tells jemalloc to keep its freed pages (:data:`JEMALLOC_KEEP`),
+    unless the user set ``MALLOC_CONF``.
     """
     if not enabled or device_type != "cpu" or os.environ.get(NO_PRELOAD_ENV):
         return {}
     library = preloaded_allocator() or find_allocator()
     if library is None:
         return {}
-    return {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
+    env = {"LD_PRELOAD": with_allocator(dict(os.environ), library)["LD_PRELOAD"]}
+    if keep_pages and "jemalloc" in Path(library).name and "MALLOC_CONF" not in os.environ:
+        env["MALLOC_CONF"] = JEMALLOC_KEEP
+    return env
 
 
 def keep_freed_host_memory() -> bool:
