@@ -268,17 +268,21 @@ def newest_checkpoint(ckpt_root: Path) -> Checkpoint | None:
     return ckpts[-1] if ckpts else None
 
 
-def _check_format(path: Path) -> None:
-    """A checkpoint of another format is named as such, not reported as corrupted."""
+def _invalid_reason(path: Path) -> str:
+    """Why ``meta.json`` in ``path`` was not valid: another format is named as such."""
     try:
         found = json.loads((path / META_FILE).read_text()).get("format")
     except (OSError, ValueError, AttributeError):
-        return  # unreadable: the caller's corruption message applies
+        found = None
     if found is not None and found != FORMAT_VERSION:
-        raise CheckpointError(
+        return (
             f"checkpoint {path} has format {found}; this boostlr reads format {FORMAT_VERSION} "
             "(sharded DCP directories) only: use a checkpoint written by this version"
         )
+    return (
+        f"checkpoint {path} is incomplete or corrupted (file sizes or checksums do not "
+        "match meta.json): use an earlier checkpoint"
+    )
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -325,13 +329,9 @@ def open_checkpoint(path: Path) -> Checkpoint:
             f"{path} is not a checkpoint (no {META_FILE}): pass runs/<run>/checkpoints/step_N "
             "or a run directory"
         )
-    _check_format(path)
     meta = _read_valid_meta(path, verify_hashes=True)
     if meta is None:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete or corrupted (file sizes or checksums do not "
-            "match meta.json): use an earlier checkpoint"
-        )
+        raise CheckpointError(_invalid_reason(path))
     return Checkpoint(path, int(meta["step"]), meta)
 
 
