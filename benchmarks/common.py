@@ -41,6 +41,20 @@ def run_config(overrides: dict[str, Any]) -> RunConfig:
     return build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
 
 
+def bench_config(args: Any, arch: str, extra: dict[str, Any] | None = None) -> RunConfig:
+    """The config a benchmark's ``--preset --seq-len --batch-size --vocab [--device]`` give
+    for ``arch``, plus ``section.key`` ``extra`` overrides."""
+    shape = {
+        "model.preset": args.preset,
+        "model.arch": arch,
+        "model.vocab_size": args.vocab,
+        "data.seq_len": args.seq_len,
+        "train.batch_size": args.batch_size,
+        "parallel.device": getattr(args, "device", "cpu"),
+    }
+    return run_config({**shape, **(extra or {})})
+
+
 def random_batch(
     vocab: int, batch: int, seq: int, device: torch.device, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import os
 import statistics
 
 import torch
-from common import run_config
+from common import bench_config
 
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import HardwareProfile, load_profile, user_dir
@@ -39,18 +39,13 @@ TP = 2
 
 
 def config(args: argparse.Namespace, arch: str, strategy: str) -> RunConfig:
-    overrides = {
-        "model.preset": args.preset,
-        "model.arch": arch,
-        "data.seq_len": args.seq_len,
-        "train.batch_size": args.batch_size,
+    extra = {
         "train.dtype": "float32",
         "parallel.tp": TP,
         "parallel.tp_strategy": strategy,
         "parallel.act_ckpt": args.act_ckpt,
-        "parallel.device": "cpu",
     }
-    return run_config({**overrides, "model.vocab_size": args.vocab})
+    return bench_config(args, arch, extra)
 
 
 def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> dict:

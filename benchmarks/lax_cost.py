@@ -19,7 +19,7 @@ import platform
 import statistics
 
 import torch
-from common import run_config
+from common import bench_config
 
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import load_profile
@@ -31,18 +31,8 @@ TP = 2
 
 
 def config(args: argparse.Namespace, arch: str, strategy: str) -> RunConfig:
-    over = {
-        "model.preset": args.preset,
-        "model.arch": arch,
-        "model.vocab_size": args.vocab,
-        "data.seq_len": args.seq_len,
-        "train.batch_size": args.batch_size,
-        "train.dtype": "float32",
-        "parallel.tp": TP,
-        "parallel.tp_strategy": strategy,
-        "parallel.device": "cpu",
-    }
-    return run_config(over)
+    extra = {"train.dtype": "float32", "parallel.tp": TP, "parallel.tp_strategy": strategy}
+    return bench_config(args, arch, extra)
 
 
 def _rank(cfg_dicts: list[dict], threads: int, rounds: int, steps: int) -> dict:

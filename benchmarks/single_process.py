@@ -26,26 +26,20 @@ ARCHS = ("full", "cola", "svd", "lax")
 
 def _measure(arch: str, args: argparse.Namespace, out: mp.Queue) -> None:
     import torch
-    from common import Part, random_batch, run_config
+    from common import Part, bench_config, random_batch
 
     from boostlr.models.counting import count_params, flops_per_token
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    overrides = {
-        "model.preset": args.preset,
-        "model.arch": arch,
-        "model.vocab_size": args.vocab,
-        "data.seq_len": args.seq_len,
-        "train.batch_size": args.batch_size,
+    extra = {
         "train.dtype": args.dtype,
         "train.compile": args.compile,
-        "parallel.device": args.device,
         "parallel.grouping": not args.no_grouping,
     }
     if args.mlp != "auto" and not (arch == "full" and args.mlp == "lowrank-only"):
-        overrides["model.mlp"] = args.mlp
-    cfg = run_config(overrides)
+        extra["model.mlp"] = args.mlp
+    cfg = bench_config(args, arch, extra)
     baseline_rss = _peak_rss_mb()
     part = Part.build(cfg, device)
     inputs, targets = random_batch(args.vocab, args.batch_size, args.seq_len, device)

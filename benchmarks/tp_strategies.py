@@ -32,7 +32,7 @@ CONFIGS: list[tuple[str, str, str, dict]] = [
 def _rank(args: argparse.Namespace) -> dict[str, dict]:
     import torch
     import torch.distributed as dist
-    from common import Part, interleave, random_batch, run_config
+    from common import Part, bench_config, interleave, random_batch
     from torch.profiler import ProfilerActivity, profile
 
     from boostlr.parallel.launch import init_distributed
@@ -43,18 +43,9 @@ def _rank(args: argparse.Namespace) -> dict[str, dict]:
 
     parts = {}
     for label, arch, strategy, opts in CONFIGS:
-        overrides = {
-            "model.preset": args.preset,
-            "model.arch": arch,
-            "model.vocab_size": args.vocab,
-            "data.seq_len": args.seq_len,
-            "train.batch_size": args.batch_size,
-            "parallel.device": args.device,
-            "parallel.tp": args.tp,
-            "parallel.tp_strategy": strategy,
-            **{f"parallel.{k}": v for k, v in opts.items()},
-        }
-        parts[label] = Part.build(run_config(overrides), device)
+        extra = {"parallel.tp": args.tp, "parallel.tp_strategy": strategy}
+        extra |= {f"parallel.{k}": v for k, v in opts.items()}
+        parts[label] = Part.build(bench_config(args, arch, extra), device)
 
     def step(label: str) -> float:
         ledger = parts[label].model.comms.ledger

@@ -25,8 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from boostlr.train.host_alloc import JEMALLOC_KEEP
+
 SRC = Path(__file__).parents[1] / "src"
-JEMALLOC_KEEP = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # as boostlr.train.host_alloc
 
 
 def run_once(variant: dict, args: argparse.Namespace) -> dict:
