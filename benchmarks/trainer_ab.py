@@ -8,6 +8,7 @@ first variant.
 
     python benchmarks/trainer_ab.py --allocators              # glibc / mallopt / jemalloc
     python benchmarks/trainer_ab.py --before /tmp/old-checkout --args --parallel.tp 2
+    python benchmarks/trainer_ab.py --malloc-confs default dirty_decay_ms:0 --args --parallel.dp 2
 """
 
 from __future__ import annotations
@@ -63,11 +64,19 @@ def variants(args: argparse.Namespace) -> list[dict]:
             {"label": "jemalloc, its own purging", "env": {"MALLOC_CONF": "dirty_decay_ms:10000"}},
             {"label": "jemalloc, pages kept", "env": {"MALLOC_CONF": JEMALLOC_KEEP}},
         ]
-    if not args.before:
-        sys.exit("give --allocators or --before DIR")
-    before = {"label": f"before ({args.before})", "src": Path(args.before) / "src"}
-    before["args"] = shlex.split(args.before_args)
-    return [before, {"label": "this tree"}]
+    if not args.before and not args.malloc_confs:
+        sys.exit("give --allocators, --before DIR or --malloc-confs CONF ...")
+    out = []
+    if args.before:
+        before = {"label": f"before ({args.before})", "src": Path(args.before) / "src"}
+        before["args"] = shlex.split(args.before_args)
+        out.append(before)
+    if not args.malloc_confs:
+        return [*out, {"label": "this tree"}]
+    for conf in args.malloc_confs:
+        env = {} if conf == "default" else {"MALLOC_CONF": conf}
+        out.append({"label": f"this tree, MALLOC_CONF={conf}", "env": env})
+    return out
 
 
 def main() -> None:
@@ -76,6 +85,12 @@ def main() -> None:
     ap.add_argument("--before", default="", help="a checkout of an earlier commit")
     ap.add_argument(
         "--before-args", default="", help='extra args for it only, one string: "--parallel.x y"'
+    )
+    ap.add_argument(
+        "--malloc-confs",
+        nargs="+",
+        default=[],
+        help='this tree once per jemalloc MALLOC_CONF ("default": the launcher\'s choice)',
     )
     ap.add_argument("--preset", default="60M")
     ap.add_argument("--seq-len", type=int, default=256)

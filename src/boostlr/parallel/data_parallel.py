@@ -9,7 +9,9 @@ all-gather / reduce-scatter hooks, with the same payload convention (the full bu
 timed there: on CPU (gloo) the calls block the host, so their wall time is the time blocked;
 on CUDA they run on FSDP's own streams, so the events measure their duration there (an upper
 bound of what the compute stream waits for). An asynchronous call (FSDP's explicit
-``unshard(async_op=True)``) is timed where its work is waited on.
+``unshard(async_op=True)``) is timed where its work is waited on. On gloo the hooks also
+run the collectives in place (:func:`in_place_collectives`); the ledger still records the
+all-gather and reduce-scatter FSDP asked for.
 """
 
 from __future__ import annotations
@@ -63,9 +65,69 @@ def _call_timed(comm: GroupComm, device: torch.device, label: str, call, async_o
         return call()
 
 
+class _AllWorks(dist.Work):
+    """Several asynchronous collectives waited on as one, then ``then`` (if any)."""
+
+    def __init__(self, works: list[dist.Work], then=None):
+        super().__init__()
+        self.works, self.then = works, then
+
+    def wait(self, timeout=None) -> bool:  # type: ignore[override]
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def _in_place_all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    """All-gather as one broadcast per rank straight into its slot of ``output``.
+
+    gloo's ``all_gather_into_tensor`` gathers into a temporary the size of ``output`` and
+    copies it over; the broadcasts write in place and move the same bytes.
+    """
+    world = dist.get_world_size(group)
+    slots = output.view(world, -1)
+    own = slots[dist.get_rank(group)]
+    if own.data_ptr() != input.data_ptr():  # FSDP copies its shard into the slot already
+        own.copy_(input.view(-1))
+    works = [
+        dist.broadcast(slots[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
+        for r in range(world)
+    ]
+    all_works = _AllWorks(works)
+    if async_op:
+        return all_works
+    all_works.wait()
+    return None
+
+
+def _in_place_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op, async_op: bool):
+    """Reduce-scatter as an in-place all-reduce of FSDP's staging buffer, then a slot copy.
+
+    gloo's ``reduce_scatter_tensor`` works on a copy of the whole input; FSDP owns ``input``
+    and drops it after the call, so reducing it in place allocates nothing.
+    """
+    world = dist.get_world_size(group)
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+
+    def copy_own_slot() -> None:
+        output.copy_(input.view(world, -1)[dist.get_rank(group)].view_as(output))
+
+    all_works = _AllWorks([work], copy_own_slot)
+    if async_op:
+        return all_works
+    all_works.wait()
+    return None
+
+
 class _RecordedAllGather(DefaultAllGather):
-    def __init__(self, comm: GroupComm):
-        self.comm = comm
+    def __init__(self, comm: GroupComm, in_place: bool):
+        self.comm, self.in_place = comm, in_place
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         n = output_tensor.numel()
@@ -77,7 +139,7 @@ class _RecordedAllGather(DefaultAllGather):
             n,
             "fsdp_params",
         )
-        call = super().__call__
+        call = _in_place_all_gather if self.in_place else super().__call__
         return _call_timed(
             self.comm,
             output_tensor.device,
@@ -88,8 +150,8 @@ class _RecordedAllGather(DefaultAllGather):
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
-    def __init__(self, comm: GroupComm):
-        self.comm = comm
+    def __init__(self, comm: GroupComm, in_place: bool):
+        self.comm, self.in_place = comm, in_place
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         n = input_tensor.numel()
@@ -101,7 +163,7 @@ class _RecordedReduceScatter(DefaultReduceScatter):
             n,
             "fsdp_grads",
         )
-        call = super().__call__
+        call = _in_place_reduce_scatter if self.in_place else super().__call__
         return _call_timed(
             self.comm,
             output_tensor.device,
@@ -149,7 +211,24 @@ def apply_data_parallel(
     for module in modules:
         policy = mixed_precision(dtype) if module is part else block_policy
         fully_shard(module, mesh=comms.dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    set_fsdp_collectives(modules, comms.dp, in_place_collectives(comms.dp.group))
+
+
+def in_place_collectives(group: dist.ProcessGroup | None) -> bool:
+    """Whether FSDP's gathers and reductions on ``group`` should run in place.
+
+    gloo (CPU) implements ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` through a
+    temporary the size of the whole buffer: with the largest unit (the embedding or the LM
+    head) that is the largest transient of a rank. NCCL writes in place, so FSDP's own calls
+    stay. Decided once per run, when the units are built.
+    """
+    return dist.get_backend(group) == "gloo"
+
+
+def set_fsdp_collectives(modules: list, comm: GroupComm, in_place: bool) -> None:
+    """Give every FSDP unit in ``modules`` the recorded (and, if ``in_place``, copy-free)
+    all-gather and reduce-scatter over ``comm``."""
     for module in modules:
         assert isinstance(module, FSDPModule)
-        module.set_custom_all_gather(_RecordedAllGather(comms.dp))
-        module.set_custom_reduce_scatter(_RecordedReduceScatter(comms.dp))
+        module.set_custom_all_gather(_RecordedAllGather(comm, in_place))
+        module.set_custom_reduce_scatter(_RecordedReduceScatter(comm, in_place))
