@@ -71,12 +71,8 @@ def main() -> None:
     results = launch(args.ranks, _rank, args)
     print(machine())
     mib = args.numel * 4 / 2**20
-    print(
-        f"# gloo_collectives: {args.ranks} ranks, a {mib:,.0f} MiB fp32 buffer, {args.rounds} rounds"
-    )
-    print(
-        "| call | added resident MiB (largest rank) | time ms (slowest rank) | speed-up vs torch's call |"
-    )
+    print(f"# gloo_collectives: {args.ranks} ranks, {mib:,.0f} MiB fp32, {args.rounds} rounds")
+    print("| call | added resident MiB (largest rank) | time ms (slowest rank) | speed-up |")
     print("|---|---|---|---|")
     for op in ("all-gather", "reduce-scatter"):
         base = max(r[f"{op}: torch"]["s"] for r in results.values())
