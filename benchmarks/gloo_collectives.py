@@ -23,7 +23,7 @@ def _rank(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     import torch
     import torch.distributed as dist
 
-    from boostlr.parallel.data_parallel import _in_place_all_gather, _in_place_reduce_scatter
+    from boostlr.parallel.data_parallel import in_place_all_gather, in_place_reduce_scatter
     from boostlr.parallel.launch import init_distributed
     from boostlr.train.memory import current_rss_mb, peak_rss_mb, reset_peak_rss
 
@@ -35,9 +35,9 @@ def _rank(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     out = torch.randn(args.numel // args.ranks)
     calls = {
         "all-gather: torch": lambda: dist.all_gather_into_tensor(full, shard),
-        "all-gather: in place": lambda: _in_place_all_gather(full, shard, group, False),
+        "all-gather: in place": lambda: in_place_all_gather(full, shard, group, False),
         "reduce-scatter: torch": lambda: dist.reduce_scatter_tensor(out, full),
-        "reduce-scatter: in place": lambda: _in_place_reduce_scatter(
+        "reduce-scatter: in place": lambda: in_place_reduce_scatter(
             out, full, group, dist.ReduceOp.SUM, False
         ),
     }

@@ -16,9 +16,9 @@ from parallel_cases import full_grad, global_batch, layout_config
 from torch.distributed.fsdp import FSDPModule
 
 from boostlr.parallel.data_parallel import (
-    _in_place_all_gather,
-    _in_place_reduce_scatter,
+    in_place_all_gather,
     in_place_collectives,
+    in_place_reduce_scatter,
     set_fsdp_collectives,
 )
 from boostlr.parallel.engine import ParallelModel
@@ -35,7 +35,7 @@ def _collectives(rank: int, world: int) -> dict:
         out = torch.full((world * 1000,), float("nan"))
         source = out.view(world, -1)[rank] if name == "view" else shard
         source.copy_(shard)
-        work = _in_place_all_gather(out, source, dist.group.WORLD, async_op)
+        work = in_place_all_gather(out, source, dist.group.WORLD, async_op)
         if work is not None:
             work.wait()
         results[f"gather_{name}"] = torch.equal(out, want)
@@ -45,7 +45,7 @@ def _collectives(rank: int, world: int) -> dict:
     dist.reduce_scatter_tensor(want_rs, full.clone())
     for async_op in (False, True):
         out = torch.full((1000,), float("nan"))
-        work = _in_place_reduce_scatter(
+        work = in_place_reduce_scatter(
             out, full.clone(), dist.group.WORLD, dist.ReduceOp.SUM, async_op
         )
         if work is not None:

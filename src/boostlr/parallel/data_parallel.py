@@ -74,7 +74,10 @@ class _AllWorks(dist.Work):
 
     def wait(self, timeout=None) -> bool:  # type: ignore[override]
         for work in self.works:
-            work.wait() if timeout is None else work.wait(timeout)
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
         if self.then is not None:
             self.then()
             self.then = None
@@ -84,7 +87,9 @@ class _AllWorks(dist.Work):
         return all(work.is_completed() for work in self.works)
 
 
-def _in_place_all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+def in_place_all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> dist.Work | None:
     """All-gather as one broadcast per rank straight into its slot of ``output``.
 
     gloo's ``all_gather_into_tensor`` gathers into a temporary the size of ``output`` and
@@ -93,8 +98,8 @@ def _in_place_all_gather(output: torch.Tensor, input: torch.Tensor, group, async
     world = dist.get_world_size(group)
     slots = output.view(world, -1)
     own = slots[dist.get_rank(group)]
-    if own.data_ptr() != input.data_ptr():  # FSDP copies its shard into the slot already
-        own.copy_(input.view(-1))
+    if own.data_ptr() != shard.data_ptr():  # FSDP copies its shard into the slot already
+        own.copy_(shard.view(-1))
     works = [
         dist.broadcast(slots[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
         for r in range(world)
@@ -106,17 +111,23 @@ def _in_place_all_gather(output: torch.Tensor, input: torch.Tensor, group, async
     return None
 
 
-def _in_place_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op, async_op: bool):
+def in_place_reduce_scatter(
+    output: torch.Tensor,
+    staging: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp,
+    async_op: bool,
+) -> dist.Work | None:
     """Reduce-scatter as an in-place all-reduce of FSDP's staging buffer, then a slot copy.
 
-    gloo's ``reduce_scatter_tensor`` works on a copy of the whole input; FSDP owns ``input``
-    and drops it after the call, so reducing it in place allocates nothing.
+    gloo's ``reduce_scatter_tensor`` works on a copy of the whole input; FSDP owns
+    ``staging`` and drops it after the call, so reducing it in place allocates nothing.
     """
     world = dist.get_world_size(group)
-    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    work = dist.all_reduce(staging, op=op, group=group, async_op=True)
 
     def copy_own_slot() -> None:
-        output.copy_(input.view(world, -1)[dist.get_rank(group)].view_as(output))
+        output.copy_(staging.view(world, -1)[dist.get_rank(group)].view_as(output))
 
     all_works = _AllWorks([work], copy_own_slot)
     if async_op:
@@ -139,7 +150,7 @@ class _RecordedAllGather(DefaultAllGather):
             n,
             "fsdp_params",
         )
-        call = _in_place_all_gather if self.in_place else super().__call__
+        call = in_place_all_gather if self.in_place else super().__call__
         return _call_timed(
             self.comm,
             output_tensor.device,
@@ -163,7 +174,7 @@ class _RecordedReduceScatter(DefaultReduceScatter):
             n,
             "fsdp_grads",
         )
-        call = _in_place_reduce_scatter if self.in_place else super().__call__
+        call = in_place_reduce_scatter if self.in_place else super().__call__
         return _call_timed(
             self.comm,
             output_tensor.device,
