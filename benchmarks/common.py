@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from boostlr.analysis.hardware import HardwareProfile, load_profile, user_dir
 from boostlr.config import RunConfig, build_config
+from boostlr.errors import ConfigError
 from boostlr.parallel.engine import ParallelModel
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
@@ -124,3 +126,18 @@ def interleave(
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def load_or_calibrate(name: str, threads: int) -> HardwareProfile:
+    """The hardware profile ``name``; ``local`` is calibrated first when it does not exist."""
+    try:
+        return load_profile(name)
+    except ConfigError:
+        if name != "local":
+            raise
+        from boostlr.calibrate import calibrate
+
+        print(f"no local profile in {user_dir()}: running boostlr calibrate --threads {threads}")
+        path, _ = calibrate(threads=threads)
+        print(f"wrote {path}")
+        return load_profile("local")  # as written: what a later run will read

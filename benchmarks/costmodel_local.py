@@ -27,12 +27,11 @@ import os
 import statistics
 
 import torch
-from common import bench_config
+from common import bench_config, load_or_calibrate
 
 from boostlr.analysis.costmodel import predict
-from boostlr.analysis.hardware import HardwareProfile, load_profile, user_dir
+from boostlr.analysis.hardware import HardwareProfile
 from boostlr.config import RunConfig, from_dict, to_dict
-from boostlr.errors import ConfigError
 
 STRATEGIES = [("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")]
 TP = 2
@@ -84,17 +83,7 @@ def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> 
 
 def local_profile(name: str, threads: int) -> HardwareProfile:
     """The profile to predict with; ``local`` is calibrated first when it does not exist."""
-    try:
-        hw = load_profile(name)
-    except ConfigError:
-        if name != "local":
-            raise
-        from boostlr.calibrate import calibrate
-
-        print(f"no local profile in {user_dir()}: running boostlr calibrate --threads {threads}")
-        path, _ = calibrate(threads=threads)
-        print(f"wrote {path}")
-        hw = load_profile("local")
+    hw = load_or_calibrate(name, threads)
     if hw.device != "cpu":
         raise SystemExit(
             f"profile {hw.name} ({hw.source or 'no source'}) is not a CPU profile: run "

@@ -19,12 +19,10 @@ import platform
 import statistics
 
 import torch
-from common import bench_config
+from common import bench_config, load_or_calibrate
 
 from boostlr.analysis.costmodel import predict
-from boostlr.analysis.hardware import load_profile
 from boostlr.config import RunConfig, from_dict, to_dict
-from boostlr.errors import ConfigError
 
 CASES = [("cola", "btp"), ("lax", "btp"), ("cola", "vanilla"), ("lax", "vanilla")]
 TP = 2
@@ -93,15 +91,7 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // TP)
-    try:
-        hw = load_profile(args.hardware)
-    except ConfigError:
-        if args.hardware != "local":
-            raise
-        from boostlr.calibrate import calibrate
-
-        path, hw = calibrate(threads=threads)
-        print(f"calibrated: wrote {path}")
+    hw = load_or_calibrate(args.hardware, threads)
     cfgs = [config(args, a, s) for a, s in CASES]
     preds = [predict(c, hw) for c in cfgs]
     predicted = [p.step_time for p in preds]
