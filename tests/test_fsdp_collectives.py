@@ -45,11 +45,12 @@ def _collectives(rank: int, world: int) -> dict:
     dist.reduce_scatter_tensor(want_rs, full.clone())
     for async_op in (False, True):
         out = torch.full((1000,), float("nan"))
-        work = in_place_reduce_scatter(
-            out, full.clone(), dist.group.WORLD, dist.ReduceOp.SUM, async_op
-        )
+        staging = full.clone()
+        work = in_place_reduce_scatter(out, staging, dist.group.WORLD, dist.ReduceOp.SUM, async_op)
         if work is not None:
             work.wait()
+        # The staging buffer is consumed: its memory is released once the slot is copied.
+        results[f"staging_released_async_{async_op}"] = staging.untyped_storage().nbytes() == 0
         # Sums of ``world`` terms: only their order may differ between the two algorithms.
         results[f"scatter_async_{async_op}"] = torch.allclose(out, want_rs, rtol=1e-6, atol=1e-6)
     results["in_place_on_gloo"] = in_place_collectives(dist.group.WORLD)

@@ -16,6 +16,7 @@ all-gather and reduce-scatter FSDP asked for.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -121,13 +122,19 @@ def in_place_reduce_scatter(
     """Reduce-scatter as an in-place all-reduce of FSDP's staging buffer, then a slot copy.
 
     gloo's ``reduce_scatter_tensor`` works on a copy of the whole input; FSDP owns
-    ``staging`` and drops it after the call, so reducing it in place allocates nothing.
+    ``staging`` and reads nothing of it after the call, so reducing it in place allocates
+    nothing. ``staging`` is consumed: once the own slot is copied out its memory is released
+    (:func:`release_storage`). FSDP keeps a reference to it until a later unit's backward (so
+    that a CUDA allocator does not hand it to another stream early); on a host-blocking
+    collective that reference would hold a dead gradient-sized buffer through the next
+    unit's backward, or past a pipeline micro-batch into the next forward.
     """
     world = dist.get_world_size(group)
     work = dist.all_reduce(staging, op=op, group=group, async_op=True)
 
     def copy_own_slot() -> None:
         output.copy_(staging.view(world, -1)[dist.get_rank(group)].view_as(output))
+        release_storage(staging)
 
     all_works = _AllWorks([work], copy_own_slot)
     if async_op:
@@ -136,9 +143,35 @@ def in_place_reduce_scatter(
     return None
 
 
+def release_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s memory now (its storage shrinks to nothing), if it owns all of it.
+
+    A view into a larger storage is left alone: other tensors may still use that memory.
+    """
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size():
+        storage.resize_(0)
+
+
 class _RecordedAllGather(DefaultAllGather):
     def __init__(self, comm: GroupComm, in_place: bool):
         self.comm, self.in_place = comm, in_place
+        # The flat buffer of this unit's last gather, to release after FSDP's copy-out.
+        self.gathered: weakref.ref[torch.Tensor] | None = None
+
+    def release_gathered(self) -> None:
+        """Free the flat all-gather buffer FSDP has copied out and keeps for stream ordering.
+
+        In forward FSDP holds the flat buffer of a unit until the next unit's copy-out (until
+        the end of the forward for the last unit: the LM head), so that on CUDA the next
+        all-gather overlaps this copy-out. Gathers here block the host, so by the time the
+        unit's forward starts the buffer is dead. Only outside the autograd engine: there a
+        prefetched gather may still be writing into it.
+        """
+        gathered = self.gathered() if self.gathered is not None else None
+        self.gathered = None
+        if gathered is not None and torch._C._current_graph_task_id() == -1:
+            release_storage(gathered)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         n = output_tensor.numel()
@@ -150,6 +183,8 @@ class _RecordedAllGather(DefaultAllGather):
             n,
             "fsdp_params",
         )
+        if self.in_place:
+            self.gathered = weakref.ref(output_tensor)
         call = in_place_all_gather if self.in_place else super().__call__
         return _call_timed(
             self.comm,
@@ -238,8 +273,21 @@ def in_place_collectives(group: dist.ProcessGroup | None) -> bool:
 
 def set_fsdp_collectives(modules: list, comm: GroupComm, in_place: bool) -> None:
     """Give every FSDP unit in ``modules`` the recorded (and, if ``in_place``, copy-free)
-    all-gather and reduce-scatter over ``comm``."""
+    all-gather and reduce-scatter over ``comm``.
+
+    In place, each unit also frees its flat gather buffer as its forward starts (a forward
+    pre-hook registered after ``fully_shard``'s, so it runs after FSDP's copy-out).
+    """
     for module in modules:
         assert isinstance(module, FSDPModule)
-        module.set_custom_all_gather(_RecordedAllGather(comm, in_place))
+        gather = _RecordedAllGather(comm, in_place)
+        module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(_RecordedReduceScatter(comm, in_place))
+        previous = getattr(module, "_release_gathered_hook", None)
+        if previous is not None:  # set again (e.g. to torch's calls): one hook at most
+            previous.remove()
+        module._release_gathered_hook = (
+            module.register_forward_pre_hook(lambda _m, _args, g=gather: g.release_gathered())
+            if in_place
+            else None
+        )
