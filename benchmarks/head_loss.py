@@ -37,6 +37,7 @@ def child(args: argparse.Namespace) -> dict:
 
     from boostlr.parallel.collectives import CommLedger, GroupComm
     from boostlr.parallel.head_loss import head_cross_entropy
+    from boostlr.parallel.vocab import vocab_split
     from boostlr.train.host_alloc import keep_freed_host_memory
 
     torch.set_num_threads(args.threads)
@@ -51,7 +52,7 @@ def child(args: argparse.Namespace) -> dict:
         h.grad = w.grad = None
         with autocast:
             if args.variant == "fused":
-                loss = head_cross_entropy(h, w, targets, args.vocab, comm)
+                loss = head_cross_entropy(h, w, targets, vocab_split(args.vocab, comm))
             else:
                 loss = F.cross_entropy(F.linear(h, w).float(), targets)
         loss.backward()

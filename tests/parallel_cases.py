@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig, build_config
 from boostlr.models.llama import build_model
+from boostlr.parallel.build import VOCAB_PARAMS
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.sharding import chunk_range
 
@@ -158,7 +159,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, RunConfig, int]]) ->
 
 def fsdp_module_elements(model: ParallelModel) -> list[int]:
     """Padded local shard elements of each FSDP module (every block, then the root), for
-    each stage this rank holds."""
+    each stage this rank holds (an untied embedding and head split over dp are no module's)."""
     dp, tp, tp_rank = model.comms.dp.size, model.comms.tp.size, model.comms.tp.rank
     return [n for part in model.stages for n in _stage_modules(part, dp, tp, tp_rank)]
 
@@ -173,6 +174,8 @@ def _stage_modules(part, dp: int, tp: int, tp_rank: int) -> list[int]:
         return -(-shape[0] // dp) * math.prod(shape[1:])
 
     named = dict(part.model.named_parameters())
+    if part.ctx.vocab_dp is not None and part.ctx.vocab_dp.size > 1:  # split over dp, no FSDP
+        named = {n: p for n, p in named.items() if n not in VOCAB_PARAMS}
     blocks = [
         sum(padded(f"layers.{i}.{n}", p) for n, p in block.named_parameters())
         for i, block in part.model.layers.items()

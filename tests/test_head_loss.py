@@ -18,6 +18,7 @@ from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.head_loss import head_cross_entropy
 from boostlr.parallel.tensor_parallel import TensorParallelModel
+from boostlr.parallel.vocab import vocab_split
 
 N, D, V = 24, 16, 50
 SINGLE = GroupComm(None, "single", CommLedger())
@@ -36,7 +37,7 @@ def _grads(fused: bool, h, w, targets, chunk_rows=8, scale=1.0, dtype=None):
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
         if fused:
-            loss = head_cross_entropy(h, w, targets, V, SINGLE, chunk_rows)
+            loss = head_cross_entropy(h, w, targets, vocab_split(V, SINGLE), chunk_rows)
         else:
             loss = F.cross_entropy(F.linear(h, w[:V]).float(), targets)
     (scale * loss).backward()
@@ -60,7 +61,7 @@ def test_evaluation_loss_without_gradients() -> None:
     """Under no_grad (evaluation) the buffer is never turned into a gradient: same loss."""
     h, w, t = _inputs(2)
     with torch.no_grad():
-        loss = head_cross_entropy(h, w, t, V, SINGLE, 7)
+        loss = head_cross_entropy(h, w, t, vocab_split(V, SINGLE), 7)
     assert loss.item() == pytest.approx(F.cross_entropy(h @ w.t(), t).item(), rel=1e-6)
 
 
@@ -97,7 +98,7 @@ def _saved_bytes(fused: bool) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         if fused:
-            head_cross_entropy(h, w, t, V, SINGLE, 8)
+            head_cross_entropy(h, w, t, vocab_split(V, SINGLE), 8)
         else:
             F.cross_entropy(F.linear(h, w).float(), t)
     return sum(saved)

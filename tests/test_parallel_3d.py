@@ -13,7 +13,8 @@ from distributed import run_distributed
 from fp32_noise import layout_bound
 from parallel_cases import layout_config, run_cases
 
-from boostlr.analysis.comm import fsdp_bytes, fsdp_pipeline_bytes, pp_send_bytes
+from boostlr.analysis.comm import fsdp_bytes, fsdp_pipeline_bytes, pp_send_bytes, vocab_dp_bytes
+from boostlr.analysis.memory import stage_modules
 
 LOSS_TOL = 1e-5
 
@@ -59,6 +60,15 @@ def test_dp_and_pp_with_tp_match_single_device_gradients() -> None:
             assert_ledger(label, report, dict(cases_by_label(cases))[label])
 
 
+def vocab_bytes(cfg, pp_rank: int, micro_tokens: int, act_size: int = 4) -> int:
+    """The dp bytes of one pipeline micro-batch's embedding and head (rows split over dp)."""
+    p, m = cfg.parallel, cfg.model
+    return sum(
+        vocab_dp_bytes(m, p.strategy_for(m.arch), p.tp, p.dp, micro_tokens, first, last, act_size)
+        for _, first, last in stage_modules(p, m.n_layers, pp_rank)
+    )
+
+
 def cases_by_label(cases):
     return [(label, cfg) for label, cfg, _ in cases]
 
@@ -85,6 +95,7 @@ def assert_ledger(label: str, report: dict, cfg) -> None:
     assert metrics["comm_pp_bytes"] == expected_pp, (label, metrics, expected_pp)
     if p.pp == 1 and len(report["losses"]) == 1:
         expected_dp = fsdp_bytes(report["fsdp_modules"], p.dp, 1, p.dp_mode == "fsdp")
+        expected_dp += vocab_bytes(cfg, pp_rank, micro_tokens)
         assert metrics["comm_dp_bytes"] == expected_dp, (label, metrics, expected_dp)
 
 
@@ -113,6 +124,9 @@ def test_pp2_dp2_tp2_follows_the_single_device_curve() -> None:
             expected = fsdp_pipeline_bytes(
                 report["fsdp_modules"], p.dp, steps, p.dp_mode == "fsdp", p.pp_microbatches
             )
+            micro_tokens = cfg.train.batch_size // p.pp_microbatches * cfg.data.seq_len
+            pp_rank = report["coords"][0]
+            expected += steps * p.pp_microbatches * vocab_bytes(cfg, pp_rank, micro_tokens)
             assert report["metrics"]["comm_dp_bytes"] == expected, (label, report["coords"])
     # Memory contract: every rank holds only its shards. Summed over the 8 ranks, the
     # parameter elements are the single-device model's, replicated tp-fold only for
@@ -145,4 +159,6 @@ def test_bf16_fsdp_gathers_bf16_and_matches_one_device_autocast() -> None:
             assert r["worst_grad_error"] <= 5e-2, (label, r["worst_grad_error"])
             assert r["param_dtypes"] == {"torch.float32"} == r["grad_dtypes"], (label, r)
             expected = fsdp_bytes(r["fsdp_modules"], dp, 1, True, param_bytes=2)
+            tokens = cfg.train.batch_size * cfg.data.seq_len
+            expected += vocab_bytes(cfg, 0, tokens, act_size=2)
             assert r["metrics"]["comm_dp_bytes"] == expected, (label, r["metrics"], expected)

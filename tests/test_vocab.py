@@ -24,9 +24,11 @@ from boostlr.parallel.context import TPContext
 from boostlr.parallel.head_loss import head_cross_entropy
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.parallel.vocab import (
+    gather_batch,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
     vocab_range,
+    vocab_split,
 )
 
 WORLD = 4
@@ -52,7 +54,7 @@ def _check_loss(comm: GroupComm, vocab: int, scale: float) -> dict:
     ref.backward()
     start, end = vocab_range(vocab, comm)
     local = full[:, start:end].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets, vocab, comm)
+    loss = vocab_parallel_cross_entropy(local, targets, vocab_split(vocab, comm))
     loss.backward()
     return {
         "rows": end - start,
@@ -89,7 +91,7 @@ def _check_fused_head(comm: GroupComm, vocab: int, scale: float) -> dict:
     start, end = vocab_range(vocab, comm)
     local_h, local_w = h.clone().requires_grad_(), weight[start:end].clone().requires_grad_()
     comm.ledger.reset()
-    loss = head_cross_entropy(local_h, local_w, targets, vocab, comm, rows=5)
+    loss = head_cross_entropy(local_h, local_w, targets, vocab_split(vocab, comm), rows=5)
     (0.5 * loss).backward()
     records = [(r.op, r.tag, r.elements, r.phase) for r in comm.ledger.records]
     grad_h = local_h.grad.clone()
@@ -116,7 +118,7 @@ def _check_embedding(comm: GroupComm, vocab: int) -> dict:
     (ref * upstream).sum().backward()
     start, end = vocab_range(vocab, comm)
     local_w = weight[start:end].clone().requires_grad_()
-    out = vocab_parallel_embedding(tokens, local_w, vocab, comm)
+    out = vocab_parallel_embedding(tokens, local_w, vocab_split(vocab, comm), tp=comm)
     (out * upstream).sum().backward()
     return {
         "out_ok": torch.allclose(out, ref, **TOL),
@@ -146,13 +148,94 @@ def _check_model(comm: GroupComm) -> dict:
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "worst_grad_error": worst}
 
 
+def _dp_tp_groups(rank: int) -> tuple[GroupComm, GroupComm]:
+    """dp 2 x tp 2 on the four ranks, tp fastest (as the mesh lays them out)."""
+    ledger = CommLedger()
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return GroupComm(dp_groups[rank % 2], "dp", ledger), GroupComm(
+        tp_groups[rank // 2], "tp", ledger
+    )
+
+
+def _check_dp_split(dp: GroupComm, tp: GroupComm, vocab: int, fused: bool) -> dict:
+    """The head and loss with the vocabulary split over dp x tp against one device.
+
+    Each dp rank has its own tokens (the same on its tp ranks). One device sees both dp
+    ranks' tokens: its loss is the mean over all of them, its weight gradient the dp mean;
+    each dp rank's input gradient must be that of its own tokens' mean loss (``dp`` times
+    the one-device gradient of those rows).
+    """
+    gen = torch.Generator().manual_seed(300 + vocab)
+    h_all = torch.randn(dp.size * N_TOKENS, 3, generator=gen)
+    weight = torch.randn(vocab, 3, generator=gen)
+    t_all = torch.arange(dp.size * N_TOKENS) % vocab
+    ref_h, ref_w = h_all.clone().requires_grad_(), weight.clone().requires_grad_()
+    F.cross_entropy(F.linear(ref_h, ref_w), t_all).backward()
+    split = vocab_split(vocab, tp, dp)
+    mine = slice(dp.rank * N_TOKENS, (dp.rank + 1) * N_TOKENS)
+    h = h_all[mine].clone().requires_grad_()
+    local_w = weight[split.start : split.end].clone().requires_grad_()
+    gathered = gather_batch(h, dp, "head_in")
+    targets = gather_batch(t_all[mine], dp, "targets")
+    if fused:
+        loss = head_cross_entropy(gathered, local_w, targets, split, rows=5)
+    else:
+        loss = vocab_parallel_cross_entropy(F.linear(gathered, local_w), targets, split)
+    loss.backward()
+    grad_h = h.grad.clone()
+    dist.all_reduce(grad_h, group=tp.group)  # the tp slices' partial sums (head_input's job)
+    natural = h_all.abs().max().item() / N_TOKENS
+    return {
+        "rows": split.rows,
+        "loss_error": abs(loss.item() - F.cross_entropy(F.linear(h_all, weight), t_all).item()),
+        "grad_h_error": _relative_error(grad_h, dp.size * ref_h.grad[mine], natural),
+        "grad_w_error": _relative_error(local_w.grad, ref_w.grad[split.start : split.end], natural),
+    }
+
+
+def _check_dp_embedding(dp: GroupComm, tp: GroupComm, vocab: int, rows_over_tp: bool) -> dict:
+    """The embedding with rows over dp (and over tp, or columns over tp as BTP's)."""
+    gen = torch.Generator().manual_seed(400 + vocab)
+    weight = torch.randn(vocab, 4, generator=gen)
+    tokens = torch.arange(dp.size * N_TOKENS).view(dp.size, N_TOKENS) % vocab
+    upstream = torch.randn(dp.size, N_TOKENS, 4, generator=gen)
+    ref_w = weight.clone().requires_grad_()
+    ref = F.embedding(tokens, ref_w)
+    ((ref * upstream).sum() / dp.size).backward()  # the dp mean of each rank's gradient
+    split = vocab_split(vocab, tp if rows_over_tp else None, dp)
+    cols = slice(None) if rows_over_tp else slice(tp.rank * 2, tp.rank * 2 + 2)
+    local_w = weight[split.start : split.end, cols].clone().requires_grad_()
+    mine = slice(dp.rank, dp.rank + 1)
+    out = vocab_parallel_embedding(tokens[mine], local_w, split, dp, tp if rows_over_tp else None)
+    (out * upstream[mine, :, cols]).sum().backward()
+    return {
+        "out_ok": torch.allclose(out, ref[mine, :, cols], **TOL),
+        "grad_ok": torch.allclose(local_w.grad, ref_w.grad[split.start : split.end, cols], **TOL),
+    }
+
+
+DP_VOCABS = (5, 3, 7)  # V=3 over dp 2 x tp 2: rows 1, 0 on the second dp rank's tp ranks
+
+
 def _run(rank: int, world_size: int) -> dict:
     comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
+    dp, tp = _dp_tp_groups(rank)
     return {
         "loss": {case: _check_loss(comm, *case) for case in CASES},
         "fused": {case: _check_fused_head(comm, *case) for case in CASES},
         "embedding": {vocab: _check_embedding(comm, vocab) for vocab, _ in CASES},
         "model": _check_model(comm),
+        "dp_head": {
+            (vocab, fused): _check_dp_split(dp, tp, vocab, fused)
+            for vocab in DP_VOCABS
+            for fused in (True, False)
+        },
+        "dp_embedding": {
+            (vocab, over_tp): _check_dp_embedding(dp, tp, vocab, over_tp)
+            for vocab in DP_VOCABS
+            for over_tp in (True, False)
+        },
     }
 
 
@@ -206,3 +289,26 @@ def test_tiny_vocab_model_at_tp4(results: list[dict]) -> None:
         assert math.isfinite(check["loss"])
         assert check["loss"] == pytest.approx(check["ref_loss"], rel=1e-5)
         assert check["worst_grad_error"] < 2e-5
+
+
+@pytest.mark.parametrize("vocab", DP_VOCABS)
+def test_vocabulary_split_over_dp_and_tp_matches_one_device(
+    results: list[dict], vocab: int
+) -> None:
+    """Rows nested dp first, then tp; the loss, the input gradient of each dp rank's own
+    mean loss and the weight gradient (the dp mean) as one device, fused and unfused."""
+    rows = [r["dp_head"][(vocab, True)]["rows"] for r in results]
+    assert sum(rows) == vocab
+    if vocab == 3:
+        assert rows == [1, 1, 1, 0]  # an empty slice on the last rank
+    for rank, res in enumerate(results):
+        for fused in (True, False):
+            check = res["dp_head"][(vocab, fused)]
+            assert check["loss_error"] < 1e-5, (rank, fused, check)
+            assert check["grad_h_error"] < 1e-5, (rank, fused, check)
+            assert check["grad_w_error"] < 1e-5, (rank, fused, check)
+        for over_tp in (True, False):
+            assert res["dp_embedding"][(vocab, over_tp)] == {"out_ok": True, "grad_ok": True}, (
+                rank,
+                over_tp,
+            )

@@ -59,6 +59,7 @@ def tp_comm_volume(
     act_size: int = FP32,
     first: bool = True,
     last: bool = True,
+    vocab_dp: int = 1,
 ) -> CommVolume:
     """Per-step TP traffic of ``strategy`` for a micro-batch of ``tokens`` tokens.
 
@@ -66,14 +67,15 @@ def tp_comm_volume(
     The residual-stream collectives (vocab-parallel embedding, BTP's last-hidden gather) and
     the loss statistics stay fp32, as the fp32 residual and master weights do. A pipeline
     stage holds ``cfg.n_layers`` blocks and the embedding only if ``first``, the final norm,
-    head and loss only if ``last``.
+    head and loss only if ``last``. With the vocabulary split over ``vocab_dp`` data-parallel
+    ranks too, the loss statistics cover every dp rank's tokens.
     """
     if tp == 1:
         return CommVolume(0, 0, 0, 0, 0, 0)
     embed = 1 if first else 0  # vocab-parallel embedding (megatron, vanilla)
     head = 1 if last else 0
     T, d, L, a = tokens, cfg.dim, cfg.n_layers, act_size
-    ce_fwd, ce_calls = 3 * T * FP32, 3  # max, sum of exps, target logit: each [T]
+    ce_fwd, ce_calls = 3 * T * vocab_dp * FP32, 3  # max, sum of exps, target logit: each [T]
     if strategy == "megatron":
         block_fwd, block_calls_fwd = 2 * T * d * a, 2
         block_bwd, block_calls_bwd = 2 * T * d * a, 2
@@ -152,6 +154,36 @@ def pp_send_bytes(
         fwd += latent * (wide * FP32 + (7 - wide) * act_size)
         bwd += 7 * latent * FP32
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
+
+
+def vocab_dp_bytes(
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    dp: int,
+    tokens: int,
+    first: bool,
+    last: bool,
+    act_size: int = FP32,
+) -> int:
+    """dp traffic of an embedding and LM head whose rows are split over dp, per micro-batch.
+
+    Per micro-batch of ``tokens`` tokens on each rank (payload = the full buffer, as FSDP's):
+    the embedding gathers every dp rank's token ids (int64), reduce-scatters the partial
+    embeddings (fp32; BTP's are ``d/t`` wide) and gathers their gradient; the head gathers
+    the targets, the head input (``act_size``) and reduce-scatters its gradient, and combines
+    the loss's three ``[T]`` statistics over dp. A tied table stays with FSDP: nothing here.
+    """
+    if dp == 1 or cfg.tie_embeddings:
+        return 0
+    T, ids = dp * tokens, 8
+    out = 0
+    if first:
+        cols = cfg.dim // tp if strategy == "btp" else cfg.dim
+        out += T * ids + 2 * T * cols * FP32
+    if last:
+        out += T * ids + 2 * T * cfg.dim * act_size + 3 * T * FP32
+    return out
 
 
 def fsdp_bytes(

@@ -30,6 +30,7 @@ from boostlr.analysis.comm import (
     per_block_forward,
     pp_send_bytes,
     tp_comm_volume,
+    vocab_dp_bytes,
 )
 from boostlr.analysis.gemms import (
     ElementWise,
@@ -119,11 +120,29 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
         dp = fsdp_pipeline_bytes(list(params.modules), p.dp, steps, fsdp, mb, gathered)
     else:
         dp = fsdp_bytes(list(params.modules), p.dp, steps, fsdp, gathered)
+    dp += vocab_step_bytes(cfg, pp_rank)
     return {
         **{f"comm_tp_{k}": v for k, v in tp.items()},
         "comm_dp_bytes": dp,
         "comm_pp_bytes": pp_bytes,
     }
+
+
+def vocab_step_bytes(cfg: RunConfig, pp_rank: int = 0) -> int:
+    """One rank's dp traffic in one step for an embedding and head split over dp."""
+    cfg = planning_config(cfg)
+    p, m = cfg.parallel, cfg.model
+    seqs, mb, steps = _micro(cfg)
+    tokens = seqs * cfg.data.seq_len
+    strategy = p.strategy_for(m.arch)
+    return (
+        steps
+        * mb
+        * sum(
+            vocab_dp_bytes(m, strategy, p.tp, p.dp, tokens, first, last, act_size(cfg))
+            for _, first, last in stage_modules(p, m.n_layers, pp_rank)
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- time
@@ -287,8 +306,9 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             # to the stage's backward end), with full grads; FSDP2's staging buffer on top.
             units = max(2 * params.largest_block, params.largest_module)
             out["gathered"] = FP32 * (2 * (units + params.roots) + params.largest_module)
-        else:  # parameters stay gathered from forward to backward
-            out["gathered"] = FP32 * (params.local + params.largest_module)
+        else:  # parameters stay gathered from forward to backward (a dp-split vocabulary not)
+            gathered = params.local - params.vocab_local
+            out["gathered"] = FP32 * (gathered + params.largest_module)
     if a == 2:
         out["bf16_weights"] = BF16_CACHE * params.local
     stages = stage_modules(p, m.n_layers, pp_rank)
@@ -297,13 +317,18 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     acts = per_block * layers * in_flight(p, pp_rank)
     if p.act_ckpt != "none":  # one block's full activations while it is recomputed
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
+    split_dp = p.dp if params.vocab else 1  # a vocabulary split over dp sees all dp tokens
     if any(last for _, _, last in stages):
         # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
         # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
         fused = cfg.train.fused_loss and p.pp == 1
-        acts += (
-            tokens * -(-m.vocab_size // (p.tp if strategy else 1)) * (a if fused else a + 2 * FP32)
-        )
+        rows = -(-m.vocab_size // (p.tp if strategy else 1))
+        acts += tokens * rows * (a if fused else a + 2 * FP32)
+        if split_dp > 1:  # every dp rank's head input, kept for the head's backward
+            acts += split_dp * tokens * m.dim * a
+    if any(first for _, first, _ in stages) and split_dp > 1:
+        # every dp rank's partial embeddings, until their reduce-scatter
+        acts += split_dp * tokens * (m.dim // p.tp if strategy == "btp" else m.dim) * FP32
     out["activations"] = acts
     if p.pp == 1 and cfg.train.grad_accum == 1 and layers > 1:
         # One micro-batch per step: the backward frees each block's activations as it makes
@@ -348,13 +373,15 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     tp_comm = steps * mb * slowest.tp_comm
     compute_only = steps * mb * slowest.compute
     # Data parallel: the slowest edge rank's FSDP traffic; hidden behind compute except the
-    # first gather and the last reduce-scatter (one module's share).
+    # first gather and the last reduce-scatter (one module's share). The traffic of a
+    # vocabulary split over dp carries activations the next op waits for: all exposed.
     dp_exposed = 0.0
     dp_total = 0.0
     params = {r: rank_params(m, strategy, p, r) for r in ranks}
     if p.dp > 1:
         for r in ranks:
-            nbytes = comm_metrics(cfg, r)["comm_dp_bytes"]
+            vocab = vocab_step_bytes(cfg, r)
+            nbytes = comm_metrics(cfg, r)["comm_dp_bytes"] - vocab
             modules = max(1, sum(1 for n in params[r].modules if n))
             if p.dp_mode == "fsdp":  # per (pipeline) micro-batch: 2 gathers, 1 reduction
                 calls = steps * (mb if p.pp > 1 else 1) * modules * 3
@@ -363,6 +390,12 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             span = p.dp * p.tp
             t_dp = collective_time("all_gather", nbytes, calls, p.dp, span, hw)
             exposed = max(0.0, t_dp - compute_only) + t_dp / modules
+            if vocab:  # embedding: 3 calls, head: 6, per micro-batch
+                edges = sum(
+                    3 * first + 6 * last for _, first, last in stage_modules(p, m.n_layers, r)
+                )
+                t_vocab = collective_time("all_gather", vocab, steps * mb * edges, p.dp, span, hw)
+                t_dp, exposed = t_dp + t_vocab, exposed + t_vocab
             if exposed > dp_exposed:
                 dp_exposed, dp_total = exposed, t_dp
     optimizer = max(optimizer_time(cfg, hw, params[r]) for r in ranks)
@@ -435,4 +468,5 @@ def _stage_volume(
         act_size=act,
         first=first,
         last=last,
+        vocab_dp=p.dp if p.dp > 1 and not m.tie_embeddings else 1,
     )

@@ -88,11 +88,16 @@ class RankParams:
     modules: tuple[int, ...]  # FSDP modules' padded local shard elements (blocks, then roots)
     largest_module: int  # elements of the largest module before dp sharding
     largest_block: int = 0  # ... of the largest block; roots: the stage roots' (final norm;
-    roots: int = 0  # embedding and head too when tied, else they are units of their own)
+    roots: int = 0  # embedding and head too when tied)
+    # An untied embedding and head under data parallelism: rows split over dp (no FSDP
+    # module); ``vocab`` elements held, ``vocab_local`` before the dp split.
+    vocab: int = 0
+    vocab_local: int = 0
 
     @property
     def sharded(self) -> int:
-        return sum(self.modules)
+        """Elements held with data parallelism: FSDP's shards and the dp-split vocabulary."""
+        return sum(self.modules) + self.vocab
 
 
 def stage_modules(p: ParallelConfig, n_layers: int, pp_rank: int) -> list[tuple[range, bool, bool]]:
@@ -129,9 +134,10 @@ def _rank_params(
     cfg: ModelConfig, strategy: str | None, p: ParallelConfig, pp_rank: int, tp_rank: int
 ) -> RankParams:
     tp, dp = p.tp, p.dp
-    local = 0
+    local = vocab = vocab_local = 0
     modules: list[int] = []
     largest = largest_block = roots = 0
+    split_vocab = dp > 1 and not cfg.tie_embeddings  # as boostlr.parallel.build
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks, block_local = {i: 0 for i in layers}, {i: 0 for i in layers}
@@ -155,7 +161,13 @@ def _rank_params(
             n = math.prod(dims)
             padded = -(-dims[0] // dp) * math.prod(dims[1:])
             local += n
-            if layer is None and name in VOCAB and not cfg.tie_embeddings:
+            if split_vocab and name in VOCAB:  # rows over dp first, then over tp (dim 0)
+                rows = chunk_range(shape[0], 0, dp)[1]  # dp rank 0's: the largest
+                if dim == 0:
+                    lo, hi = chunk_range(rows, tp_rank, tp)
+                    rows = hi - lo
+                vocab, vocab_local = vocab + rows * math.prod(dims[1:]), vocab_local + n
+            elif layer is None and name in VOCAB and not cfg.tie_embeddings:
                 units, largest = [*units, padded], max(largest, n)
             elif layer is None:
                 root, root_local = root + padded, root_local + n
@@ -164,7 +176,7 @@ def _rank_params(
         modules += [*blocks.values(), *units, root]
         largest_block = max([largest_block, *block_local.values()])
         largest, roots = max(largest, root_local, largest_block), roots + root_local
-    return RankParams(local, tuple(modules), largest, largest_block, roots)
+    return RankParams(local, tuple(modules), largest, largest_block, roots, vocab, vocab_local)
 
 
 def activation_bytes_per_block(

@@ -38,6 +38,7 @@ from boostlr.parallel.collectives import (
 )
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.sharding import REPLICATED, ShardSpec
+from boostlr.parallel.vocab import vocab_parallel_embedding
 
 
 def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
@@ -55,7 +56,9 @@ def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
-    return F.embedding(tokens, local(model.embed_tokens.weight))
+    """Whole rows (of this rank's d-slice), split over dp only."""
+    split = ctx.vocab_split(rows_over_tp=False)
+    return vocab_parallel_embedding(tokens, local(model.embed_tokens.weight), split, ctx.vocab_dp)
 
 
 def head_input(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:

@@ -3,8 +3,11 @@
 Order (torchtitan's): split into pipeline stages -> build each stage on the meta device ->
 materialise only this rank's tensor-parallel shards, each drawn from its parameter's own
 seeded generator (one full parameter at a time) and wrapped as a DTensor on the ``tp`` mesh
-dim (global shape + split dim) -> data parallel (FSDP2) over ``dp``. The result is a list of
-:class:`TensorParallelModel` stages (more than one under the interleaved schedule).
+dim (global shape + split dim) -> data parallel (FSDP2) over ``dp``. An untied embedding and
+LM head are the exception under data parallelism: their rows are split over dp as well
+(DTensors on the ``(dp, tp)`` mesh, :mod:`boostlr.parallel.vocab`) and FSDP leaves them
+alone. The result is a list of :class:`TensorParallelModel` stages (more than one under the
+interleaved schedule).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def build_stages(
     memory report.
     """
     p = cfg.parallel
-    ctx = TPContext.from_config(comms.tp, cfg)
+    vocab_dp = comms.dp if splits_vocab_over_dp(cfg, comms) else None
+    ctx = TPContext.from_config(comms.tp, cfg, vocab_dp=vocab_dp)
     stages = []
     for stage in stage_ids(p, pp_rank):
         layers = stage_layers(cfg.model.n_layers, p.num_stages, stage)
@@ -61,6 +65,20 @@ def build_stages(
     return stages
 
 
+def splits_vocab_over_dp(cfg: RunConfig, comms: MeshComms) -> bool:
+    """Whether the embedding's and the head's rows are split over dp instead of FSDP-sharded.
+
+    FSDP would gather each of them whole (``V x d / tp``, a model's largest units) in every
+    forward and backward and hold their full gradient and its reduction buffer at once; split
+    over dp they are never gathered. A tied table serves both the lookup (split along d under
+    BTP) and the head, so it stays with FSDP.
+    """
+    return comms.dp.size > 1 and not cfg.model.tie_embeddings
+
+
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+
+
 def materialize(
     part: TensorParallelModel, seed: int, comms: MeshComms, device: torch.device
 ) -> None:
@@ -77,12 +95,46 @@ def materialize(
             spec = part.specs[name]
             full = initial_value(part.cfg, name, param.shape, seed)
             part.full_shapes[name] = full.shape
-            shard = shard_tensor(full, spec, rank, tp).to(device)
+            vocab_dp = part.ctx.vocab_dp
+            if name in VOCAB_PARAMS and vocab_dp is not None and vocab_dp.size > 1:
+                value = _vocab_dtensor(full, spec, part, comms, device)
+            else:
+                shard = shard_tensor(full, spec, rank, tp).to(device)
+                value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, full.shape)
             del full
-            value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, param.shape)
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
+
+
+def _vocab_dtensor(
+    full: torch.Tensor,
+    spec: ShardSpec,
+    part: TensorParallelModel,
+    comms: MeshComms,
+    device: torch.device,
+) -> DTensor:
+    """This rank's rows of a vocabulary table split over dp (then over tp along ``spec``).
+
+    Rows split over tp (``spec.dim == 0``): ``(Shard(0), Shard(0))`` on ``(dp, tp)``, the
+    nested chunks of :func:`boostlr.parallel.vocab.vocab_split`; columns split over tp
+    (BTP's embedding): ``(Shard(0), Shard(1))``; whole over tp: ``(Shard(0), Replicate())``.
+    """
+    split = part.ctx.vocab_split(rows_over_tp=spec.dim == 0)
+    shard = full[split.start : split.end]
+    if spec.dim == 1:
+        shard = shard_tensor(shard, spec, comms.tp.rank, comms.tp.size)
+    tp_placement = Replicate() if spec.dim is None else Shard(spec.dim)
+    mesh = comms.mesh["dp", "tp"]
+    stride = torch.empty(full.shape, device="meta").stride()
+    return DTensor.from_local(
+        shard.clone().to(device),
+        mesh,
+        [Shard(0), tp_placement],
+        run_check=False,
+        shape=full.shape,
+        stride=stride,
+    )
 
 
 def _as_dtensor(shard: torch.Tensor, spec: ShardSpec, mesh, full_shape: torch.Size) -> DTensor:

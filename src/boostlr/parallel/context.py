@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from boostlr.config import ModelConfig, RunConfig
 from boostlr.parallel.collectives import GroupComm
+from boostlr.parallel.vocab import VocabSplit, vocab_split
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:
@@ -39,14 +40,20 @@ class TPContext:
     tp_overlap: bool = True
     # The LM head GEMM and the cross-entropy as one step (:mod:`boostlr.parallel.head_loss`).
     fused_loss: bool = True
+    # The data-parallel group the embedding's and the LM head's rows are split over (instead
+    # of FSDP gathering them): :mod:`boostlr.parallel.vocab`. ``None``: not split over dp.
+    vocab_dp: GroupComm | None = None
 
     @classmethod
-    def from_config(cls, comm: GroupComm, cfg: RunConfig) -> TPContext:
+    def from_config(
+        cls, comm: GroupComm, cfg: RunConfig, vocab_dp: GroupComm | None = None
+    ) -> TPContext:
         """The context a run's config asks for, on tensor-parallel group ``comm``."""
         p = cfg.parallel
         return cls(
             comm,
             cfg.model,
+            vocab_dp=vocab_dp,
             norm=p.norm,
             grouping=p.grouping,
             act_ckpt=p.act_ckpt,
@@ -54,6 +61,10 @@ class TPContext:
             tp_overlap=p.tp_overlap,
             fused_loss=cfg.train.fused_loss,
         )
+
+    def vocab_split(self, rows_over_tp: bool = True) -> VocabSplit:
+        """This rank's vocabulary rows: over ``vocab_dp``, then over TP if ``rows_over_tp``."""
+        return vocab_split(self.cfg.vocab_size, self.comm if rows_over_tp else None, self.vocab_dp)
 
     @property
     def overlap(self) -> bool:

@@ -237,18 +237,19 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 def apply_data_parallel(
     part: TensorParallelModel, comms: MeshComms, mode: str, dtype: str = "float32"
 ) -> None:
-    """``fully_shard`` each block, the embedding and the head, then the stage (final norm).
+    """``fully_shard`` each block, then the stage (final norm; a tied embedding too).
 
-    The embedding and the head are units of their own (unless tied: one parameter cannot be
-    in two units): inside the stage's root unit they would stay gathered, with their full
-    gradients, through the whole backward of the stage; as units they are gathered only
-    around their own forward and backward and their gradients are reduced as soon as their
-    backward ends. The traffic is the same: the root unit is resharded after forward too.
+    An untied embedding and LM head have their rows split over dp already
+    (``part.ctx.vocab_dp``, :mod:`boostlr.parallel.build`): FSDP ignores them. A tied table
+    stays in the stage's root unit (one parameter cannot be in two units).
     """
     reshard = mode == "fsdp"
     model = part.model
-    own = [] if model.cfg.tie_embeddings else [model.embed_tokens, model.lm_head]
-    modules = [*model.layers.values(), *(m for m in own if m is not None), part]
+    vocab = part.ctx.vocab_dp is not None and part.ctx.vocab_dp.size > 1
+    ignored = (
+        {m.weight for m in (model.embed_tokens, model.lm_head) if m is not None} if vocab else None
+    )
+    modules = [*model.layers.values(), part]
     block_policy = mixed_precision(dtype)
     # Only the stage's own outputs go back to fp32; blocks hand bf16 to each other.
     block_policy = MixedPrecisionPolicy(
@@ -256,7 +257,13 @@ def apply_data_parallel(
     )
     for module in modules:
         policy = mixed_precision(dtype) if module is part else block_policy
-        fully_shard(module, mesh=comms.dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(
+            module,
+            mesh=comms.dp_mesh,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            ignored_params=ignored if module is part else None,
+        )
     set_fsdp_collectives(modules, comms.dp, in_place_collectives(comms.dp.group))
 
 

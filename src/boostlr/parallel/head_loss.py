@@ -7,8 +7,9 @@ buffer, which one fused log-softmax kernel per chunk turns into the gradient
 ``softmax − onehot`` (its 1/N is applied to the narrow operands in the backward); the
 backward is two GEMMs on that buffer. One buffer in the compute dtype is all that is kept.
 
-With the vocabulary split over TP ranks, each rank turns its slice into a *local* softmax
-and combines the per-row log-sum-exps with the same three ``[N]`` all-reduces as
+With the vocabulary split over ranks (:class:`~boostlr.parallel.vocab.VocabSplit`), each
+rank turns its slice into a *local* softmax and combines the per-row log-sum-exps with the
+same three ``[N]`` all-reduces per group as
 :func:`boostlr.parallel.vocab.vocab_parallel_cross_entropy` (a max, a sum of exponentials,
 the target logit); the local softmax is then rescaled to the global one. The backward needs
 no communication. Same math as the unfused path; only the order of floating-point sums
@@ -24,8 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from boostlr.parallel.collectives import GroupComm, all_reduce_
-from boostlr.parallel.vocab import vocab_range
+from boostlr.parallel.vocab import VocabSplit, combine_
 
 #: fp32 logits per chunk: few chunks (each is a handful of kernel launches), a bounded fp32
 #: temporary under autocast (64 MiB is 524 rows of a 32k vocabulary).
@@ -46,11 +46,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         h: Tensor,
         weight: Tensor,
         targets: Tensor,
-        vocab_size: int,
-        comm: GroupComm,
+        split: VocabSplit,
         rows: int,
     ) -> Tensor:
-        start, end = vocab_range(vocab_size, comm)
+        start, end = split.start, split.end
+        split_over_ranks = bool(split.groups)
         cols = end - start
         device = h.device.type
         autocast = torch.is_autocast_enabled(device)
@@ -75,17 +75,17 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 log_p = torch.log_softmax(logits, -1, dtype=torch.float32)
                 t = local_t[r0:r1, None]
                 target_logit[r0:r1] = torch.where(inside[r0:r1], log_p.gather(-1, t)[:, 0], 0.0)
-                if comm.size > 1:  # this slice's log-sum-exp, exactly: max - log p(max)
+                if split_over_ranks:  # this slice's log-sum-exp, exactly: max - log p(max)
                     top, arg = logits.max(-1, keepdim=True)
                     lse[r0:r1] = (top.float() - log_p.gather(-1, arg))[:, 0]
                 if grads:
                     torch.exp(log_p, out=logits)
-            if comm.size > 1:
+            if split_over_ranks:
                 # target_logit holds log p_local(t) = l_t - lse on the owning rank.
-                row_max = all_reduce_(lse.clone(), comm, "ce_max", op=dist.ReduceOp.MAX)
-                sum_exp = all_reduce_((lse - row_max).exp(), comm, "ce_sum_exp")
+                row_max = combine_(lse.clone(), split, "ce_max", op=dist.ReduceOp.MAX)
+                sum_exp = combine_((lse - row_max).exp(), split, "ce_sum_exp")
                 target_shifted = torch.where(inside, target_logit + lse - row_max, 0.0)
-                all_reduce_(target_shifted, comm, "ce_target")
+                combine_(target_shifted, split, "ce_target")
                 log_sum = sum_exp.log()
                 loss = (log_sum - target_shifted).mean()
                 if cols and grads:  # local softmax -> this slice of the global one
@@ -107,24 +107,22 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_w = torch.mm(grad.t(), (h * scale).to(grad.dtype)).to(ctx.w_dtype)
         if grad_w.shape[0] != ctx.w_rows:  # rows past the vocabulary get no gradient
             grad_w = F.pad(grad_w, (0, 0, 0, ctx.w_rows - grad_w.shape[0]))
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def head_cross_entropy(
     h: Tensor,
     weight: Tensor,
     targets: Tensor,
-    vocab_size: int,
-    comm: GroupComm,
+    split: VocabSplit,
     rows: int | None = None,
 ) -> Tensor:
-    """Mean token cross-entropy of ``h [N, d] · weight [V/t, d]ᵀ`` against ``targets [N]``.
+    """Mean token cross-entropy of ``h [N, d] · weight [rows, d]ᵀ`` against ``targets [N]``.
 
-    ``weight`` is this rank's vocabulary slice (all of it at TP 1); under autocast the GEMMs
-    run in the autocast dtype and the softmax in fp32, as the unfused path does. ``rows``
-    per chunk: :func:`chunk_rows` unless given.
+    ``weight`` is this rank's vocabulary slice ``split`` (all of it on one rank); under
+    autocast the GEMMs run in the autocast dtype and the softmax in fp32, as the unfused
+    path does. ``rows`` per chunk: :func:`chunk_rows` unless given.
     """
     if rows is None:
-        start, end = vocab_range(vocab_size, comm)
-        rows = chunk_rows(end - start)
-    return _HeadCrossEntropy.apply(h, weight, targets, vocab_size, comm, rows)
+        rows = chunk_rows(split.rows)
+    return _HeadCrossEntropy.apply(h, weight, targets, split, rows)

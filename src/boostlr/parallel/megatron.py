@@ -41,7 +41,7 @@ def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
     return vocab_parallel_embedding(
-        tokens, local(model.embed_tokens.weight), model.cfg.vocab_size, ctx.comm
+        tokens, local(model.embed_tokens.weight), ctx.vocab_split(), ctx.vocab_dp, ctx.comm
     )
 
 

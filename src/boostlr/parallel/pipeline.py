@@ -25,6 +25,7 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._backward import stage_backward
 
 from boostlr.config import ParallelConfig, RunConfig
+from boostlr.models.params import local
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.tensor_parallel import LATENT_NAMES, TensorParallelModel
 
@@ -192,12 +193,10 @@ class Pipeline:
     def _example_outputs(self, sid: int, part: TensorParallelModel, device) -> tuple[Tensor, ...]:
         if sid < self.num_stages - 1:  # requires_grad: the next stage sends their grads
             return tuple(torch.zeros(s, device=device, requires_grad=True) for s in self.boundary)
-        vocab = (
-            part.model.lm_head.weight.to_local().shape[0]
-            if hasattr(part.model.lm_head.weight, "to_local")
-            else part.model.lm_head.weight.shape[0]
-        )
-        return (torch.zeros(self.micro, self.boundary[0][1], vocab, device=device),)
+        vocab = local(part.model.lm_head.weight).shape[0]
+        # With the vocabulary split over dp, the logits are every dp rank's tokens.
+        dp = part.ctx.vocab_dp.size if part.ctx.vocab_dp is not None else 1
+        return (torch.zeros(self.micro * dp, self.boundary[0][1], vocab, device=device),)
 
     def _loss_fn(self, last: TensorParallelModel) -> Callable[[Tensor, Tensor], Tensor]:
         def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:

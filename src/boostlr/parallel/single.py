@@ -11,7 +11,6 @@ is a no-op. ``grouping`` off (and the dense model) runs the model's own
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from boostlr.config import ModelConfig
@@ -20,6 +19,7 @@ from boostlr.models.params import local
 from boostlr.parallel import btp
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.sharding import REPLICATED, ShardSpec
+from boostlr.parallel.vocab import vocab_parallel_embedding
 
 
 def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
@@ -27,7 +27,9 @@ def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
-    return F.embedding(tokens, local(model.embed_tokens.weight))
+    """Whole rows, split over dp only."""
+    split = ctx.vocab_split(rows_over_tp=False)
+    return vocab_parallel_embedding(tokens, local(model.embed_tokens.weight), split, ctx.vocab_dp)
 
 
 def block_forward(

@@ -18,7 +18,7 @@ from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.models.params import local
 from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.compile import compiled
-from boostlr.parallel.context import TPContext
+from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.head_loss import head_cross_entropy
 from boostlr.parallel.sharding import (
     ShardSpec,
@@ -26,7 +26,7 @@ from boostlr.parallel.sharding import (
     shard_tensor,
     unshard_tensor,
 )
-from boostlr.parallel.vocab import vocab_parallel_cross_entropy
+from boostlr.parallel.vocab import gather_batch, vocab_parallel_cross_entropy
 
 STRATEGIES: dict[str, ModuleType] = {"megatron": megatron, "vanilla": vanilla, "btp": btp}
 LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -90,13 +90,25 @@ class TensorParallelModel(nn.Module):
         return self.model.lm_head(h, impl=lambda lm_head, h_: self._head(lm_head, h_, targets))
 
     def _head(self, lm_head: nn.Module, h: Tensor, targets: Tensor | None) -> Tensor:
-        """This rank's logits, or with ``targets`` the loss (fused with the head GEMM)."""
+        """This rank's logits, or with ``targets`` the loss (fused with the head GEMM).
+
+        With the vocabulary split over dp the logits are those of every dp rank's tokens
+        (``[dp * mb, s, rows]``) for this rank's rows, and the loss is their mean over the dp
+        ranks' micro-batches.
+        """
         head, ctx = local(lm_head.weight), self.ctx
+        if ctx.vocab_dp is not None and ctx.vocab_dp.size > 1:
+            h = gather_batch(wire(h), ctx.vocab_dp, "head_in")
         if targets is not None and ctx.fused_loss:
-            vocab = self.cfg.vocab_size
-            return head_cross_entropy(h.flatten(0, 1), head, targets.flatten(), vocab, ctx.comm)
+            targets = self._batch_targets(targets)
+            split = ctx.vocab_split()
+            return head_cross_entropy(h.flatten(0, 1), head, targets.flatten(), split)
         logits = F.linear(h, head)
         return logits if targets is None else self.loss(logits, targets)
+
+    def _batch_targets(self, targets: Tensor) -> Tensor:
+        """Every dp rank's targets when the vocabulary is split over dp, else ``targets``."""
+        return gather_batch(targets, self.ctx.vocab_dp, "targets")
 
     def _block_impl(self, block, x, rope, z_prev):
         """The strategy's block, under whole-block checkpointing when ``act_ckpt=block``.
@@ -118,9 +130,14 @@ class TensorParallelModel(nn.Module):
         return out, (dict(zip(names, z_out, strict=True)) if names else None)
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean token cross-entropy of this rank's (vocabulary slice of the) logits."""
+        """Mean token cross-entropy of this rank's (vocabulary slice of the) logits.
+
+        ``targets`` are this rank's; the logits are those :meth:`forward` returned (with the
+        vocabulary split over dp, for every dp rank's tokens).
+        """
+        targets = self._batch_targets(targets)
         return vocab_parallel_cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), self.cfg.vocab_size, self.ctx.comm
+            logits.flatten(0, 1), targets.flatten(), self.ctx.vocab_split()
         )
 
     # ------------------------------------------------------------------ full <-> shards
