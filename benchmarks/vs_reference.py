@@ -124,7 +124,7 @@ def _trainer_allocator() -> dict[str, str]:
     jemalloc preloaded with its pages kept when installed, else glibc told to keep its heap."""
     from boostlr.train.host_alloc import allocator_env
 
-    return allocator_env(True, "cpu", keep_pages=True) or GLIBC_KEEP
+    return allocator_env(True, "cpu") or GLIBC_KEEP
 
 
 def _run_child(variant: str, dtype: str, args: argparse.Namespace) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -40,18 +41,50 @@ def test_freed_block_stays_resident_only_with_the_cache():
     host_alloc.find_allocator() is None or "jemalloc" not in str(host_alloc.find_allocator()),
     reason="jemalloc is not installed (.ci/run installs libjemalloc2)",
 )
-def test_ranks_get_jemalloc_and_one_process_keeps_its_pages_unless_the_user_configures_it(
+def test_ranks_get_jemalloc_keeping_its_pages_unless_the_user_configures_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(host_alloc.NO_PRELOAD_ENV, raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("MALLOC_CONF", raising=False)
     ranks = host_alloc.allocator_env(True, "cpu")
-    assert list(ranks) == ["LD_PRELOAD"]  # jemalloc's own purging: a sharded model's peak
     assert "jemalloc" in ranks["LD_PRELOAD"].split(":")[0]
-    one = host_alloc.allocator_env(True, "cpu", keep_pages=True)
-    assert one["MALLOC_CONF"] == host_alloc.JEMALLOC_KEEP
+    assert ranks["MALLOC_CONF"] == host_alloc.JEMALLOC_KEEP
+    assert list(host_alloc.allocator_env(True, "cpu", keep_pages=False)) == ["LD_PRELOAD"]
     monkeypatch.setenv("MALLOC_CONF", "narenas:2")
     assert "MALLOC_CONF" not in host_alloc.allocator_env(True, "cpu", keep_pages=True)
     assert host_alloc.allocator_env(True, "cuda", keep_pages=True) == {}
     assert host_alloc.allocator_env(False, "cpu") == {}
+
+
+RELEASE_PROBE = """
+import torch
+from boostlr.train.host_alloc import release_freed_pages
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+base = rss()
+block = torch.ones(64 * 2**20)  # 256 MiB
+del block
+kept = (rss() - base) / 2**20
+print(release_freed_pages(), kept, (rss() - base) / 2**20)
+"""
+
+
+@pytest.mark.skipif(
+    host_alloc.find_allocator() is None or "jemalloc" not in str(host_alloc.find_allocator()),
+    reason="jemalloc is not installed (.ci/run installs libjemalloc2)",
+)
+def test_release_gives_back_what_jemalloc_kept() -> None:
+    """Pages kept (the ranks' setting) hold a freed block; one release returns it."""
+    env = host_alloc.with_allocator({}, str(host_alloc.find_allocator()))
+    env["MALLOC_CONF"] = host_alloc.JEMALLOC_KEEP
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE_PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+    )
+    how, kept, after = out.stdout.split()
+    assert how == "jemalloc"
+    assert float(kept) > 200 and float(after) < 50, out.stdout

@@ -209,7 +209,7 @@ def _restart_with_allocator(cfg) -> None:
     if cfg.parallel.world_size != 1 or cfg.parallel.max_restarts:
         return
     device = resolve_device(cfg.parallel.device).type
-    env = allocator_env(cfg.train.cpu_alloc_cache, device, keep_pages=True)
+    env = allocator_env(cfg.train.cpu_alloc_cache, device)
     if env:
         sys.stdout.flush()
         sys.stderr.flush()

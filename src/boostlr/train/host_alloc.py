@@ -27,11 +27,14 @@ _KEEP_ALL = 2**31 - 1
 # Set (to anything) to keep glibc with the mallopt cache even where jemalloc is installed.
 NO_PRELOAD_ENV = "BOOSTLR_NO_ALLOCATOR_PRELOAD"
 
-# jemalloc with its freed pages kept for reuse, never purged on a timer: a one-process run's
-# step reallocates the same large buffers, and purging them made the kernel fault them in
-# again. Several ranks keep jemalloc's own purging: kept pages keep every rank's build and
-# gather transients resident, which raised a large sharded model's peak.
+# jemalloc with its freed pages kept for reuse, never purged on a timer: a step reallocates
+# the same large buffers, and purging them made the kernel fault them in again. What the
+# build freed (one full parameter at a time, FSDP's setup) would stay resident too, so a
+# rank gives that back once, after building (:func:`release_freed_pages`).
 JEMALLOC_KEEP = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+# mallctl's "every arena" index (jemalloc's MALLCTL_ARENAS_ALL).
+_JEMALLOC_ALL_ARENAS = 4096
 
 # Preferred first; the sonames Debian/Ubuntu and RHEL ship.
 ALLOCATOR_SONAMES = ("libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -71,13 +74,13 @@ def with_allocator(env: dict[str, str], library: str) -> dict[str, str]:
     return {**env, "LD_PRELOAD": ":".join([library, *current])}
 
 
-def allocator_env(enabled: bool, device_type: str, keep_pages: bool = False) -> dict[str, str]:
+def allocator_env(enabled: bool, device_type: str, keep_pages: bool = True) -> dict[str, str]:
     """Environment for CPU ranks to start with a caching allocator preloaded.
 
     Empty when not on CPU, when ``train.cpu_alloc_cache`` is off, or when no jemalloc or
     tcmalloc is installed (the ranks then fall back to the ``mallopt`` cache). ``keep_pages``
-    (a one-process run) also tells jemalloc to keep its freed pages (:data:`JEMALLOC_KEEP`),
-    unless the user set ``MALLOC_CONF``.
+    (the default, one process or several) also tells jemalloc to keep its freed pages
+    (:data:`JEMALLOC_KEEP`), unless the user set ``MALLOC_CONF``.
     """
     if not enabled or device_type != "cpu" or os.environ.get(NO_PRELOAD_ENV):
         return {}
@@ -88,6 +91,35 @@ def allocator_env(enabled: bool, device_type: str, keep_pages: bool = False) -> 
     if keep_pages and "jemalloc" in Path(library).name and "MALLOC_CONF" not in os.environ:
         env["MALLOC_CONF"] = JEMALLOC_KEEP
     return env
+
+
+def release_freed_pages() -> str:
+    """Give the pages the allocator holds free back to the system, once; what did it.
+
+    For a rank that has just built its model: with jemalloc keeping freed pages, the build's
+    transients (each full parameter drawn on CPU, FSDP's setup) would stay resident for the
+    whole run. jemalloc: flush this thread's cache and purge every arena (``mallctl``);
+    tcmalloc: ``MallocExtension_ReleaseFreeMemory``; glibc: ``malloc_trim(0)``. ``"none"``
+    where no allocator offers it. Run once at start-up, never in the step.
+    """
+    process = ctypes.CDLL(None)
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None:
+        mallctl.argtypes = (ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p)
+        mallctl.argtypes += (ctypes.c_void_p, ctypes.c_size_t)
+        mallctl(b"thread.tcache.flush", None, None, None, 0)
+        purge = f"arena.{_JEMALLOC_ALL_ARENAS}.purge".encode()
+        return "jemalloc" if mallctl(purge, None, None, None, 0) == 0 else "none"
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+        return "tcmalloc"
+    trim = getattr(process, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes = (ctypes.c_size_t,)
+        trim(0)
+        return "glibc"
+    return "none"
 
 
 def keep_freed_host_memory() -> bool:

@@ -37,7 +37,7 @@ from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
 from boostlr.train.checkpoint import Checkpoint, CheckpointWriter, read_checkpoint
-from boostlr.train.host_alloc import allocator_env, cache_host_memory
+from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import METRICS_FILE, run_steps
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.metrics import truncate_after
@@ -276,6 +276,7 @@ def _train_rank(
     optimizer = build_optimizer(model.parameters(), t)
     init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
     phases.mark("optimizer state")
+    release_freed_pages()  # the build's transients; the allocator keeps the step's pages
     writer = CheckpointWriter(
         run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
     )
