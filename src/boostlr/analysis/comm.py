@@ -156,6 +156,14 @@ def pp_send_bytes(
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 
+def vocab_dp(cfg: ModelConfig, dp: int) -> int:
+    """dp ranks the embedding's and head's rows are split over (1: FSDP's, or no dp).
+
+    As ``boostlr.parallel.build.splits_vocab_over_dp``: untied tables under data parallelism.
+    """
+    return dp if dp > 1 and not cfg.tie_embeddings else 1
+
+
 def vocab_dp_bytes(
     cfg: ModelConfig,
     strategy: str | None,
@@ -174,7 +182,7 @@ def vocab_dp_bytes(
     the targets, the head input (``act_size``) and reduce-scatters its gradient, and combines
     the loss's three ``[T]`` statistics over dp. A tied table stays with FSDP: nothing here.
     """
-    if dp == 1 or cfg.tie_embeddings:
+    if vocab_dp(cfg, dp) == 1:
         return 0
     T, ids = dp * tokens, 8
     out = 0

@@ -30,6 +30,7 @@ from boostlr.analysis.comm import (
     per_block_forward,
     pp_send_bytes,
     tp_comm_volume,
+    vocab_dp,
     vocab_dp_bytes,
 )
 from boostlr.analysis.gemms import (
@@ -317,7 +318,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     acts = per_block * layers * in_flight(p, pp_rank)
     if p.act_ckpt != "none":  # one block's full activations while it is recomputed
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
-    split_dp = p.dp if params.vocab else 1  # a vocabulary split over dp sees all dp tokens
+    split_dp = vocab_dp(m, p.dp)  # a vocabulary split over dp sees all dp tokens
     if any(last for _, _, last in stages):
         # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
         # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
@@ -468,5 +469,5 @@ def _stage_volume(
         act_size=act,
         first=first,
         last=last,
-        vocab_dp=p.dp if p.dp > 1 and not m.tie_embeddings else 1,
+        vocab_dp=vocab_dp(m, p.dp),
     )

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from boostlr.analysis.comm import vocab_dp
 from boostlr.config import ModelConfig, ParallelConfig
 
 FP32 = 4
@@ -137,7 +138,7 @@ def _rank_params(
     local = vocab = vocab_local = 0
     modules: list[int] = []
     largest = largest_block = roots = 0
-    split_vocab = dp > 1 and not cfg.tie_embeddings  # as boostlr.parallel.build
+    split_vocab = vocab_dp(cfg, dp) > 1
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks, block_local = {i: 0 for i in layers}, {i: 0 for i in layers}

@@ -95,8 +95,7 @@ def materialize(
             spec = part.specs[name]
             full = initial_value(part.cfg, name, param.shape, seed)
             part.full_shapes[name] = full.shape
-            vocab_dp = part.ctx.vocab_dp
-            if name in VOCAB_PARAMS and vocab_dp is not None and vocab_dp.size > 1:
+            if name in VOCAB_PARAMS and part.ctx.vocab_dp_size > 1:
                 value = _vocab_dtensor(full, spec, part, comms, device)
             else:
                 shard = shard_tensor(full, spec, rank, tp).to(device)

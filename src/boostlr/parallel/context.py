@@ -62,6 +62,11 @@ class TPContext:
             fused_loss=cfg.train.fused_loss,
         )
 
+    @property
+    def vocab_dp_size(self) -> int:
+        """Data-parallel ranks the vocabulary is split over (1: not split over dp)."""
+        return 1 if self.vocab_dp is None else self.vocab_dp.size
+
     def vocab_split(self, rows_over_tp: bool = True) -> VocabSplit:
         """This rank's vocabulary rows: over ``vocab_dp``, then over TP if ``rows_over_tp``."""
         return vocab_split(self.cfg.vocab_size, self.comm if rows_over_tp else None, self.vocab_dp)

@@ -245,10 +245,9 @@ def apply_data_parallel(
     """
     reshard = mode == "fsdp"
     model = part.model
-    vocab = part.ctx.vocab_dp is not None and part.ctx.vocab_dp.size > 1
-    ignored = (
-        {m.weight for m in (model.embed_tokens, model.lm_head) if m is not None} if vocab else None
-    )
+    vocab = (model.embed_tokens, model.lm_head)
+    split = part.ctx.vocab_dp_size > 1
+    ignored = {m.weight for m in vocab if m is not None} if split else None
     modules = [*model.layers.values(), part]
     block_policy = mixed_precision(dtype)
     # Only the stage's own outputs go back to fp32; blocks hand bf16 to each other.

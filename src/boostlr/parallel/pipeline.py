@@ -195,8 +195,8 @@ class Pipeline:
             return tuple(torch.zeros(s, device=device, requires_grad=True) for s in self.boundary)
         vocab = local(part.model.lm_head.weight).shape[0]
         # With the vocabulary split over dp, the logits are every dp rank's tokens.
-        dp = part.ctx.vocab_dp.size if part.ctx.vocab_dp is not None else 1
-        return (torch.zeros(self.micro * dp, self.boundary[0][1], vocab, device=device),)
+        rows = self.micro * part.ctx.vocab_dp_size
+        return (torch.zeros(rows, self.boundary[0][1], vocab, device=device),)
 
     def _loss_fn(self, last: TensorParallelModel) -> Callable[[Tensor, Tensor], Tensor]:
         def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:

@@ -97,7 +97,7 @@ class TensorParallelModel(nn.Module):
         ranks' micro-batches.
         """
         head, ctx = local(lm_head.weight), self.ctx
-        if ctx.vocab_dp is not None and ctx.vocab_dp.size > 1:
+        if ctx.vocab_dp_size > 1:
             h = gather_batch(wire(h), ctx.vocab_dp, "head_in")
         if targets is not None and ctx.fused_loss:
             targets = self._batch_targets(targets)
