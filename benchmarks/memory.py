@@ -5,7 +5,9 @@ Each layout is a real ``boostlr train`` run (its own ranks, fresh processes) wit
 FSDP wrap, optimizer state, forward/backward, step, eval, save) and the tensors it holds.
 The floor of a rank is those tensors (parameters, gradients, AdamW moments) plus the runtime
 it had before the model existed. CPU ranks sample their resident set; CUDA ranks read
-``torch.cuda.max_memory_allocated``.
+``torch.cuda.max_memory_allocated``. CPU ranks also sample the host allocator's allocated
+bytes (``runtime + allocated``: the peak without what the allocator keeps free for reuse);
+the plan's prediction is held against that, as it models tensors, not the allocator.
 
     python benchmarks/memory.py --preset 1B --arch cola --layouts 2x2x2
     python benchmarks/memory.py --preset 130M --layouts 1x1x1 2x2x1 1x2x2 2x2x2 --steps 2
@@ -138,20 +140,50 @@ def predicted_mb(args: argparse.Namespace, layout: tuple[int, int, int], extra: 
     return out
 
 
+def _largest(result: dict, ranks: range, measure) -> float | None:
+    values = [measure(result["ranks"][r]) for r in ranks if r in result["ranks"]]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def rss_tensors_mb(report: dict) -> float:
+    """Peak resident set less the start-up runtime: tensors plus what the allocator keeps."""
+    return max(p["peak_mb"] for p in report["phases"].values()) - report["runtime_mb"]
+
+
+def allocated_tensors_mb(report: dict) -> float | None:
+    """Peak allocated bytes less those at start-up: the tensors (and Python objects) alone."""
+    if "runtime_allocated_mb" not in report:
+        return None
+    peaks = [p["allocated_peak_mb"] for p in report["phases"].values() if "allocated_peak_mb" in p]
+    return max(peaks) - report["runtime_allocated_mb"]
+
+
 def print_vs_plan(result: dict, predicted: dict[int, float], layout: tuple[int, int, int]) -> None:
-    """Measured tensor memory (peak - runtime) of each pipeline stage's largest rank."""
+    """Measured tensor memory of each pipeline stage's largest rank against the plan.
+
+    The plan models tensors, so it is held against the allocator's allocated bytes (the CPU's
+    counterpart of ``torch.cuda.max_memory_allocated``); the resident set's peak is shown
+    beside it, and their difference is what the allocator kept free for reuse.
+    """
     _, dp, tp = layout
-    print("| pp rank | measured peak - runtime (MiB) | plan (MiB) | plan / measured |")
-    print("|---|---|---|---|")
+    print(
+        "| pp rank | RSS peak - runtime (MiB) | allocated peak - runtime (MiB) | plan (MiB) "
+        "| plan / allocated |"
+    )
+    print("|---|---|---|---|---|")
     for pp_rank, plan in predicted.items():
         ranks = range(pp_rank * dp * tp, (pp_rank + 1) * dp * tp)
-        measured = max(
-            max(p["peak_mb"] for p in result["ranks"][r]["phases"].values())
-            - result["ranks"][r]["runtime_mb"]
-            for r in ranks
-            if r in result["ranks"]
+        rss = _largest(result, ranks, rss_tensors_mb)
+        allocated = _largest(result, ranks, allocated_tensors_mb)
+        if rss is None:
+            continue
+        if allocated is None:  # an allocator without counters: the resident set is all there is
+            print(f"| {pp_rank} | {rss:,.0f} | - | {plan:,.0f} | ({plan / rss:.2f} of RSS) |")
+            continue
+        print(
+            f"| {pp_rank} | {rss:,.0f} | {allocated:,.0f} | {plan:,.0f} | {plan / allocated:.2f} |"
         )
-        print(f"| {pp_rank} | {measured:,.0f} | {plan:,.0f} | {plan / measured:.2f} |")
 
 
 def floor_mb(report: dict) -> float:
@@ -166,13 +198,16 @@ def print_layout(label: str, result: dict) -> None:
     if not ranks:
         return
     phases = [ph for ph in PHASES if any(ph in r["phases"] for r in ranks.values())]
-    print("| rank | " + " | ".join(phases) + " | held | floor | peak / floor |")
-    print("|---" * (len(phases) + 4) + "|")
+    tail = " | runtime + allocated | held | floor | peak / floor |"
+    print("| rank | " + " | ".join(phases) + tail)
+    print("|---" * (len(phases) + 5) + "|")
     for rank, r in sorted(ranks.items()):
         peaks = [r["phases"].get(ph, {}).get("peak_mb") for ph in phases]
         cells = [f"{p:,.0f}" if p is not None else "-" for p in peaks]
         peak = max(p for p in peaks if p is not None)
         held = sum(r["held"].values())
+        allocated = allocated_tensors_mb(r)
+        cells.append("-" if allocated is None else f"{allocated + r['runtime_mb']:,.0f}")
         print(
             f"| {rank} | " + " | ".join(cells) + f" | {held:,.0f} | {floor_mb(r):,.0f} | "
             f"{peak / floor_mb(r):.2f} |"

@@ -88,3 +88,55 @@ def test_release_gives_back_what_jemalloc_kept() -> None:
     how, kept, after = out.stdout.split()
     assert how == "jemalloc"
     assert float(kept) > 200 and float(after) < 50, out.stdout
+
+
+ALLOCATED_PROBE = """
+import torch
+from boostlr.train.host_alloc import allocated_bytes_reader
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+name, allocated = allocated_bytes_reader()
+base_rss, base = rss(), allocated()
+block = torch.ones(64 * 2**20)  # 256 MiB
+held = (allocated() - base) / 2**20
+del block
+print(name, held, (allocated() - base) / 2**20, (rss() - base_rss) / 2**20)
+"""
+
+
+@pytest.mark.skipif(
+    host_alloc.find_allocator() is None or "jemalloc" not in str(host_alloc.find_allocator()),
+    reason="jemalloc is not installed (.ci/run installs libjemalloc2)",
+)
+@pytest.mark.parametrize("keep", [True, False])
+def test_allocated_bytes_leave_out_what_the_allocator_keeps(keep: bool) -> None:
+    """The count the memory phases sample follows tensors, not the pages jemalloc keeps."""
+    env = host_alloc.with_allocator({}, str(host_alloc.find_allocator()))
+    if keep:
+        env["MALLOC_CONF"] = host_alloc.JEMALLOC_KEEP
+    out = subprocess.run(
+        [sys.executable, "-c", ALLOCATED_PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+    )
+    name, held, after, resident = out.stdout.split()
+    assert name == "jemalloc"
+    assert 250 < float(held) < 300 and float(after) < 10, out.stdout
+    if keep:  # the pages stay resident; the count does not
+        assert float(resident) > 200, out.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
+def test_allocated_bytes_with_glibc() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", ALLOCATED_PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+    )
+    name, held, after, _ = out.stdout.split()
+    assert name == "glibc"
+    assert 250 < float(held) < 300 and float(after) < 10, out.stdout

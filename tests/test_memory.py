@@ -51,3 +51,8 @@ def test_rows_carry_memory_against_the_floor_and_phases_are_written(
         assert row["mem_floor_mb"] == pytest.approx(held + report["runtime_mb"])
     assert report["runtime_mb"] > 50  # torch is loaded: the runtime is real
     assert report["held"]["mem_params_mb"] == pytest.approx(step_rows[-1]["mem_params_mb"])
+    # The allocator's count sees the tensors: the step held at least the rank's own.
+    step = report["phases"]["forward/backward"]
+    held = sum(report["held"].values())
+    assert step["allocated_peak_mb"] - report["runtime_allocated_mb"] >= held
+    assert report["allocated_by"] in ("glibc", "jemalloc", "tcmalloc")

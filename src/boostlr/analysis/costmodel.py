@@ -50,6 +50,7 @@ from boostlr.analysis.memory import (
     FP32,
     RankParams,
     activation_bytes_per_block,
+    grads_held_at_activation_peak,
     in_flight,
     rank_params,
     stage_modules,
@@ -315,7 +316,8 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     stages = stage_modules(p, m.n_layers, pp_rank)
     layers = sum(len(layers) for layers, _, _ in stages)
     per_block = activation_bytes_per_block(m, strategy, p.tp, tokens, a, p.act_ckpt)
-    acts = per_block * layers * in_flight(p, pp_rank)
+    held = in_flight(p, pp_rank)
+    acts = per_block * layers * held
     if p.act_ckpt != "none":  # one block's full activations while it is recomputed
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     split_dp = vocab_dp(m, p.dp)  # a vocabulary split over dp sees all dp tokens
@@ -324,24 +326,23 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
         fused = cfg.train.fused_loss and p.pp == 1
         rows = -(-m.vocab_size // (p.tp if strategy else 1))
-        acts += tokens * rows * (a if fused else a + 2 * FP32)
+        acts += split_dp * tokens * rows * (a if fused else a + 2 * FP32)
         if split_dp > 1:  # every dp rank's head input, kept for the head's backward
             acts += split_dp * tokens * m.dim * a
     if any(first for _, first, _ in stages) and split_dp > 1:
         # every dp rank's partial embeddings, until their reduce-scatter
         acts += split_dp * tokens * (m.dim // p.tp if strategy == "btp" else m.dim) * FP32
     out["activations"] = acts
-    if p.pp == 1 and cfg.train.grad_accum == 1 and layers > 1:
-        # One micro-batch per step: the backward frees each block's activations as it makes
-        # that block's gradients, so the two peak apart: all activations and the first
-        # block's gradients at the start of the backward, or all gradients and one block's
-        # activations at its end (with accumulation the gradients of the previous
-        # micro-batch are held throughout, and both count in full).
-        grads = out["grads"]
+    if not grads_held_at_activation_peak(p, pp_rank, cfg.train.grad_accum) and layers > 1:
+        # The step's gradients do not exist yet when the activations peak: the backward
+        # frees one micro-batch's activations as it makes the gradients, so the two peak
+        # apart: all activations and the first block's gradients at the start of the first
+        # backward, or all gradients and the rest of the activations at its end.
+        grads, per_micro = out["grads"], acts / held
         start = acts + grads / layers
-        end = grads + acts / layers
+        end = grads + acts - per_micro + per_micro / layers
         out["grads"], out["activations"] = (
-            (grads / layers, acts) if start >= end else (grads, acts / layers)
+            (grads / layers, acts) if start >= end else (grads, end - grads)
         )
     out["reserved"] = hw.reserved
     return out

@@ -192,7 +192,10 @@ def activation_bytes_per_block(
     if act_ckpt == "block":
         return T * res * FP32 + lax_lat
     if act_ckpt == "lowrank":  # region inputs: the replicated latents and the residual slice
-        return 2 * T * 7 * r * act + 2 * T * res * FP32 + lax_lat
+        # BTP folds the norms into [A_q|A_k|A_v] and [A_gate|A_up]: their all-reduced sums
+        # (3r and 2r wide) are kept for the division by the rms, next to A's and σ's outputs.
+        folded = 5 * T * r * act if strategy == "btp" else 0
+        return 2 * T * 7 * r * act + folded + 2 * T * res * FP32 + lax_lat
     heads_w = d if strategy == "vanilla" else d // t  # vanilla replicates q/k/v and attention
     kv_w = kv if strategy == "vanilla" else kv // t
     ff = f if strategy == "vanilla" else f // t
@@ -206,6 +209,23 @@ def activation_bytes_per_block(
         total += 7 * 2 * T * lat * act  # A's outputs and σ's outputs
         total += lax_lat
     return float(total)
+
+
+def grads_held_at_activation_peak(p: ParallelConfig, pp_rank: int, grad_accum: int) -> bool:
+    """Whether a rank already holds the step's gradients when its activations peak.
+
+    They do when a forward runs after a backward of the same step: gradient accumulation,
+    or a 1F1B pipeline rank that runs more micro-batches than it holds (its steady state);
+    interleaved schedules are counted so too. Otherwise (one micro-batch, GPipe, a 1F1B
+    rank still in warm-up) the activations peak before the first backward makes gradients.
+    """
+    if grad_accum > 1:
+        return True
+    if p.pp == 1 or p.pp_schedule == "gpipe":
+        return False
+    if p.pp_schedule == "1f1b":
+        return p.pp_microbatches > p.pp - pp_rank
+    return True
 
 
 def in_flight(p: ParallelConfig, pp_rank: int) -> float:

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # mallopt(3) parameters (glibc's malloc.h).
@@ -103,10 +104,8 @@ def release_freed_pages() -> str:
     where no allocator offers it. Run once at start-up, never in the step.
     """
     process = ctypes.CDLL(None)
-    mallctl = getattr(process, "mallctl", None)
+    mallctl = _mallctl(process)
     if mallctl is not None:
-        mallctl.argtypes = (ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p)
-        mallctl.argtypes += (ctypes.c_void_p, ctypes.c_size_t)
         mallctl(b"thread.tcache.flush", None, None, None, 0)
         purge = f"arena.{_JEMALLOC_ALL_ARENAS}.purge".encode()
         return "jemalloc" if mallctl(purge, None, None, None, 0) == 0 else "none"
@@ -153,3 +152,63 @@ def cache_host_memory() -> str:
     if library is not None:
         return Path(library).name
     return "mallopt" if keep_freed_host_memory() else "none"
+
+
+def _mallctl(process: ctypes.CDLL):
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None:
+        mallctl.argtypes = (ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p)
+        mallctl.argtypes += (ctypes.c_void_p, ctypes.c_size_t)
+    return mallctl
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
+        + ("uordblks", "fordblks", "keepcost")
+    ]
+
+
+def allocated_bytes_reader() -> tuple[str, Callable[[], int]] | None:
+    """``(allocator, read)``: ``read()`` is the bytes the process has allocated and not freed.
+
+    Unlike the resident set, this leaves out what the allocator keeps free for reuse (jemalloc
+    with its pages kept, glibc's untrimmed heap): it is the CPU's counterpart of CUDA's
+    ``memory_allocated``, the tensors plus the interpreter's own objects. jemalloc:
+    ``stats.allocated`` (after an ``epoch`` refresh); tcmalloc:
+    ``generic.current_allocated_bytes``; glibc: ``mallinfo2`` (heap in use plus mmapped
+    blocks). ``None`` where the allocator offers none of these.
+    """
+    process = ctypes.CDLL(None)
+    mallctl = _mallctl(process)
+    if mallctl is not None:
+        epoch, value, size = ctypes.c_uint64(1), ctypes.c_size_t(0), ctypes.c_size_t(8)
+
+        def jemalloc() -> int:
+            mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
+            size.value = ctypes.sizeof(value)
+            mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, 0)
+            return value.value
+
+        return ("jemalloc", jemalloc) if jemalloc() > 0 else None
+    numeric = getattr(process, "MallocExtension_GetNumericProperty", None)
+    if numeric is not None:
+        numeric.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t))
+        held = ctypes.c_size_t(0)
+
+        def tcmalloc() -> int:
+            numeric(b"generic.current_allocated_bytes", ctypes.byref(held))
+            return held.value
+
+        return "tcmalloc", tcmalloc
+    mallinfo2 = getattr(process, "mallinfo2", None)  # glibc >= 2.33
+    if mallinfo2 is not None:
+        mallinfo2.restype = _MallInfo2
+
+        def glibc() -> int:
+            info = mallinfo2()
+            return info.uordblks + info.hblkhd
+
+        return "glibc", glibc
+    return None

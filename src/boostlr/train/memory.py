@@ -8,7 +8,11 @@ the part a memory fix can change.
 
 On CUDA the peak is the caching allocator's high-water mark of allocated bytes; on CPU it is
 the process's resident set, sampled from ``/proc`` (the kernel resets the high-water mark on
-request, so each phase has a peak of its own).
+request, so each phase has a peak of its own). The resident set is what the kernel's
+out-of-memory killer sees, but it also holds what the host allocator keeps free for reuse,
+which no memory model of tensors predicts; so with ``train.memory_phases`` a CPU rank also
+samples the allocator's allocated bytes (:class:`AllocatedPeak`), the counterpart of CUDA's
+allocated bytes.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from __future__ import annotations
 import json
 import resource
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from boostlr.train.host_alloc import allocated_bytes_reader
 from boostlr.train.perf import peak_memory_mb
 
 MB = 2**20
@@ -107,6 +113,45 @@ def device_peak_mb(device: torch.device) -> float:
     return peak_rss_mb()
 
 
+class AllocatedPeak:
+    """The high-water mark of the host allocator's allocated bytes, sampled by a thread.
+
+    No allocator keeps that mark itself, so a daemon thread reads the count every
+    ``interval_s`` (the read releases the GIL, and torch's ops run without it); a peak shorter
+    than the interval can be missed, so the mark is a lower bound. Only for
+    ``train.memory_phases`` runs: it costs a little CPU, never anything in the step's code.
+    """
+
+    def __init__(self, name: str, read: Callable[[], int], interval_s: float = 0.001):
+        self.name, self._read, self._interval = name, read, interval_s
+        self._lock = threading.Lock()
+        self.runtime_mb = read() / MB
+        self._peak = self.runtime_mb
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="boostlr-mem", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.now_mb()
+
+    def now_mb(self) -> float:
+        now = self._read() / MB
+        with self._lock:
+            self._peak = max(self._peak, now)
+        return now
+
+    def take_peak_mb(self) -> float:
+        """The peak since the last call (a new phase starts from what is allocated now)."""
+        now = self.now_mb()
+        with self._lock:
+            peak, self._peak = self._peak, now
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class MemoryPhases:
     """Per-phase memory of one rank: each phase's peak and what it leaves behind.
 
@@ -121,6 +166,8 @@ class MemoryPhases:
         self.rows: dict[str, dict[str, float]] = {}
         self.held: dict[str, float] = {}
         self.runtime_mb = device_now_mb(device)
+        reader = allocated_bytes_reader() if path is not None and device.type == "cpu" else None
+        self.allocated = AllocatedPeak(*reader) if reader is not None else None
         self.mark("start-up")
 
     def note_held(self, held: dict[str, float]) -> None:
@@ -134,10 +181,21 @@ class MemoryPhases:
         row = self.rows.setdefault(phase, {"peak_mb": 0.0, "after_mb": 0.0})
         row["peak_mb"] = max(row["peak_mb"], peak)
         row["after_mb"] = device_now_mb(self.device)
+        if self.allocated is not None:
+            allocated = self.allocated.take_peak_mb()
+            row["allocated_peak_mb"] = max(row.get("allocated_peak_mb", 0.0), allocated)
         tmp = self.path.with_suffix(".tmp")
         report = {
             "allocator": self.allocator,
             "runtime_mb": self.runtime_mb,
+            **(
+                {
+                    "allocated_by": self.allocated.name,
+                    "runtime_allocated_mb": self.allocated.runtime_mb,
+                }
+                if self.allocated is not None
+                else {}
+            ),
             "held": self.held,
             "phases": self.rows,
         }
