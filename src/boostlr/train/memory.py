@@ -149,7 +149,9 @@ class AllocatedPeak:
         return peak
 
     def stop(self) -> None:
+        """End the sampling thread (before the process exits, so it never outlives torch)."""
         self._stop.set()
+        self._thread.join()
 
 
 class MemoryPhases:
@@ -206,6 +208,16 @@ class MemoryPhases:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             reset_peak_rss()
+
+    def close(self) -> None:
+        if self.allocated is not None:
+            self.allocated.stop()
+
+    def __enter__(self) -> MemoryPhases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def peak_mb(self) -> float:

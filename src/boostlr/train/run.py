@@ -249,43 +249,44 @@ def _train_rank(
         torch.use_deterministic_algorithms(True, warn_only=True)
         allocator = cache_host_memory() if cfg.train.cpu_alloc_cache else "glibc"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    phases = MemoryPhases(
-        device, memory_phase_file(run_dir, rank, cfg.train.memory_phases), allocator
-    )
-    model = ParallelModel.build(cfg, device, phases.mark)
-    train_ds, val_ds = datasets or open_datasets(cfg)
-    dp, t, seq = model.comms.dp, cfg.train, cfg.data.seq_len
-    loader = BatchLoader(
-        train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, grad_accum=t.grad_accum
-    )
-    # The validation set is layout-free: the first val_batches x global batch windows of the
-    # split, in batch_size batches dealt round-robin to the data-parallel ranks.
-    per_global = t.grad_accum * dp.size
-    val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global)
-    # Every data-parallel rank evaluates the same number of batches: FSDP's gathers are
-    # collectives, so one extra batch on one rank would wait for the others forever.
-    usable = len(val_data) // dp.size * dp.size
-    if usable == 0:
-        raise DataError(
-            f"the validation split has {len(val_data)} batch(es) of {t.batch_size} x {seq} "
-            f"tokens, fewer than the {dp.size} data-parallel ranks: prepare more validation "
-            "data (--val-fraction), or lower --train.batch_size or --data.seq_len"
+    phase_file = memory_phase_file(run_dir, rank, cfg.train.memory_phases)
+    with MemoryPhases(device, phase_file, allocator) as phases:
+        model = ParallelModel.build(cfg, device, phases.mark)
+        train_ds, val_ds = datasets or open_datasets(cfg)
+        dp, t, seq = model.comms.dp, cfg.train, cfg.data.seq_len
+        loader = BatchLoader(
+            train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, grad_accum=t.grad_accum
         )
-    val_data = val_data[:usable][dp.rank :: dp.size]
-    # Fused AdamW on this rank's parameters: one kernel per step, DTensor shards included.
-    optimizer = build_optimizer(model.parameters(), t)
-    init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
-    phases.mark("optimizer state")
-    release_freed_pages()  # the build's transients; the allocator keeps the step's pages
-    writer = CheckpointWriter(
-        run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
-    )
-    state = RunState(cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases)
-    state.restart_attempt = restart_attempt()
-    if ckpt_path is not None:
-        # Verified before any rank started (or by rank 0); read it as it is.
-        restore(state, read_checkpoint(Path(ckpt_path)))
-    if rank == 0 and (ckpt_path is not None or state.restart_attempt > 0):
-        truncate_after(run_dir / METRICS_FILE, state.start_step)
-    loss, val_loss = run_steps(state, console)
-    return TrainResult(run_dir, t.steps, loss, val_loss)
+        # The validation set is layout-free: the first val_batches x global batch windows of the
+        # split, in batch_size batches dealt round-robin to the data-parallel ranks.
+        per_global = t.grad_accum * dp.size
+        val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global)
+        # Every data-parallel rank evaluates the same number of batches: FSDP's gathers are
+        # collectives, so one extra batch on one rank would wait for the others forever.
+        usable = len(val_data) // dp.size * dp.size
+        if usable == 0:
+            raise DataError(
+                f"the validation split has {len(val_data)} batch(es) of {t.batch_size} x {seq} "
+                f"tokens, fewer than the {dp.size} data-parallel ranks: prepare more validation "
+                "data (--val-fraction), or lower --train.batch_size or --data.seq_len"
+            )
+        val_data = val_data[:usable][dp.rank :: dp.size]
+        # Fused AdamW on this rank's parameters: one kernel per step, DTensor shards included.
+        optimizer = build_optimizer(model.parameters(), t)
+        init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
+        phases.mark("optimizer state")
+        release_freed_pages()  # the build's transients; the allocator keeps the step's pages
+        writer = CheckpointWriter(
+            run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
+        )
+        state = RunState(
+            cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases
+        )
+        state.restart_attempt = restart_attempt()
+        if ckpt_path is not None:
+            # Verified before any rank started (or by rank 0); read it as it is.
+            restore(state, read_checkpoint(Path(ckpt_path)))
+        if rank == 0 and (ckpt_path is not None or state.restart_attempt > 0):
+            truncate_after(run_dir / METRICS_FILE, state.start_step)
+        loss, val_loss = run_steps(state, console)
+        return TrainResult(run_dir, t.steps, loss, val_loss)
