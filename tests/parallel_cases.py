@@ -174,14 +174,19 @@ def _stage_modules(part, dp: int, tp: int, tp_rank: int) -> list[int]:
         return -(-shape[0] // dp) * math.prod(shape[1:])
 
     named = dict(part.model.named_parameters())
+    vocab = {n: p for n, p in named.items() if n in VOCAB_PARAMS}
+    units: list[int] = []
     if part.ctx.vocab_dp is not None and part.ctx.vocab_dp.size > 1:  # split over dp, no FSDP
+        named = {n: p for n, p in named.items() if n not in VOCAB_PARAMS}
+    elif not part.model.cfg.tie_embeddings:  # parallel.vocab_dp off: units of their own
+        units = [padded(n, p) for n, p in vocab.items()]
         named = {n: p for n, p in named.items() if n not in VOCAB_PARAMS}
     blocks = [
         sum(padded(f"layers.{i}.{n}", p) for n, p in block.named_parameters())
         for i, block in part.model.layers.items()
     ]
     root = sum(padded(n, p) for n, p in named.items() if not n.startswith("layers."))
-    return [*blocks, root]
+    return [*blocks, *units, root]
 
 
 def compare_bf16_step(rank: int, world: int, cfg: RunConfig) -> dict:

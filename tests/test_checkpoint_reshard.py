@@ -90,3 +90,6 @@ def test_vanilla_checkpoint_resumes_under_btp_and_one_process_under_dp2(
     trainer.train(run_config(small_dataset, **layout(1, 1, 1)), single, console=False)
     got = resume_at(single, tmp_path / "dp2", layout(1, 2, 1))
     assert_continues(train_rows(single), got, "one process -> dp2")
+    fsdp_vocab = {**layout(1, 2, 1), "parallel.vocab_dp": "false"}  # the tables FSDP units
+    got = resume_at(single, tmp_path / "dp2_fsdp_vocab", fsdp_vocab)
+    assert_continues(train_rows(single), got, "one process -> dp2, vocabulary as FSDP units")

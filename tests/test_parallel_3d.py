@@ -13,7 +13,13 @@ from distributed import run_distributed
 from fp32_noise import layout_bound
 from parallel_cases import layout_config, run_cases
 
-from boostlr.analysis.comm import fsdp_bytes, fsdp_pipeline_bytes, pp_send_bytes, vocab_dp_bytes
+from boostlr.analysis.comm import (
+    fsdp_bytes,
+    fsdp_pipeline_bytes,
+    pp_send_bytes,
+    vocab_dp,
+    vocab_dp_bytes,
+)
 from boostlr.analysis.memory import stage_modules
 
 LOSS_TOL = 1e-5
@@ -52,6 +58,14 @@ def test_dp_and_pp_with_tp_match_single_device_gradients() -> None:
     ddp = layout_config("svd", "btp", 1, 2, 2, **{"parallel.dp_mode": "ddp"})
     cases.append(("dp2tp2 svd btp ddp", ddp, 1))
     cases.append(("dp2tp2 svd btp ddp 2 steps", ddp, 2))
+    fsdp_vocab = {"parallel.vocab_dp": "false"}  # the tables as FSDP units, gathered whole
+    cases.append(
+        ("dp2tp2 cola btp vocab fsdp", layout_config("cola", "btp", 1, 2, 2, **fsdp_vocab), 1)
+    )
+    ddp_vocab = layout_config(
+        "full", "megatron", 1, 2, 2, **fsdp_vocab, **{"parallel.dp_mode": "ddp"}
+    )
+    cases.append(("dp2tp2 full megatron ddp vocab fsdp", ddp_vocab, 1))
     lowrank_ckpt = layout_config("cola", "btp", 2, 1, 2, **{"parallel.act_ckpt": "lowrank"})
     cases.append(("pp2tp2 cola btp lowrank-ckpt", lowrank_ckpt, 1))
     per_rank = run(4, cases)
@@ -64,7 +78,9 @@ def vocab_bytes(cfg, pp_rank: int, micro_tokens: int, act_size: int = 4) -> int:
     """The dp bytes of one pipeline micro-batch's embedding and head (rows split over dp)."""
     p, m = cfg.parallel, cfg.model
     return sum(
-        vocab_dp_bytes(m, p.strategy_for(m.arch), p.tp, p.dp, micro_tokens, first, last, act_size)
+        vocab_dp_bytes(
+            m, p.strategy_for(m.arch), p.tp, vocab_dp(m, p), micro_tokens, first, last, act_size
+        )
         for _, first, last in stage_modules(p, m.n_layers, pp_rank)
     )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from boostlr.config import ModelConfig
+from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.shapes import linear_shapes
 
 
@@ -156,19 +156,20 @@ def pp_send_bytes(
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 
-def vocab_dp(cfg: ModelConfig, dp: int) -> int:
+def vocab_dp(cfg: ModelConfig, p: ParallelConfig) -> int:
     """dp ranks the embedding's and head's rows are split over (1: FSDP's, or no dp).
 
-    As ``boostlr.parallel.build.splits_vocab_over_dp``: untied tables under data parallelism.
+    As ``boostlr.parallel.build.splits_vocab_over_dp``: untied tables under data parallelism,
+    unless ``parallel.vocab_dp`` is off.
     """
-    return dp if dp > 1 and not cfg.tie_embeddings else 1
+    return p.dp if p.dp > 1 and p.vocab_dp and not cfg.tie_embeddings else 1
 
 
 def vocab_dp_bytes(
     cfg: ModelConfig,
     strategy: str | None,
     tp: int,
-    dp: int,
+    split_dp: int,
     tokens: int,
     first: bool,
     last: bool,
@@ -180,11 +181,12 @@ def vocab_dp_bytes(
     the embedding gathers every dp rank's token ids (int64), reduce-scatters the partial
     embeddings (fp32; BTP's are ``d/t`` wide) and gathers their gradient; the head gathers
     the targets, the head input (``act_size``) and reduce-scatters its gradient, and combines
-    the loss's three ``[T]`` statistics over dp. A tied table stays with FSDP: nothing here.
+    the loss's three ``[T]`` statistics over dp. ``split_dp`` is :func:`vocab_dp`'s count;
+    at 1 (a tied table, ``parallel.vocab_dp`` off, no dp) FSDP carries the tables: nothing here.
     """
-    if vocab_dp(cfg, dp) == 1:
+    if split_dp == 1:
         return 0
-    T, ids = dp * tokens, 8
+    T, ids = split_dp * tokens, 8
     out = 0
     if first:
         cols = cfg.dim // tp if strategy == "btp" else cfg.dim

@@ -141,7 +141,7 @@ def vocab_step_bytes(cfg: RunConfig, pp_rank: int = 0) -> int:
         steps
         * mb
         * sum(
-            vocab_dp_bytes(m, strategy, p.tp, p.dp, tokens, first, last, act_size(cfg))
+            vocab_dp_bytes(m, strategy, p.tp, vocab_dp(m, p), tokens, first, last, act_size(cfg))
             for _, first, last in stage_modules(p, m.n_layers, pp_rank)
         )
     )
@@ -320,19 +320,22 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     acts = per_block * layers * held
     if p.act_ckpt != "none":  # one block's full activations while it is recomputed
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
-    split_dp = vocab_dp(m, p.dp)  # a vocabulary split over dp sees all dp tokens
+    split_dp = vocab_dp(m, p)  # a vocabulary split over dp sees all dp tokens
     if any(last for _, _, last in stages):
         # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
         # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
         fused = cfg.train.fused_loss and p.pp == 1
-        rows = -(-m.vocab_size // (p.tp if strategy else 1))
-        acts += split_dp * tokens * rows * (a if fused else a + 2 * FP32)
+        rows = -(-m.vocab_size // (p.tp if strategy else 1))  # over dp: / dp, for dp x tokens
+        acts += tokens * rows * (a if fused else a + 2 * FP32)
         if split_dp > 1:  # every dp rank's head input, kept for the head's backward
             acts += split_dp * tokens * m.dim * a
     if any(first for _, first, _ in stages) and split_dp > 1:
         # every dp rank's partial embeddings, until their reduce-scatter
         acts += split_dp * tokens * (m.dim // p.tp if strategy == "btp" else m.dim) * FP32
     out["activations"] = acts
+    if cfg.train.grad_accum * (p.pp_microbatches if p.pp > 1 else 1) > 1 and params.head_own_grad:
+        # The next micro-batch's head gradient, made before it is added to the held one.
+        out["grad_accumulation"] = FP32 * params.head_own_grad
     if not grads_held_at_activation_peak(p, pp_rank, cfg.train.grad_accum) and layers > 1:
         # The step's gradients do not exist yet when the activations peak: the backward
         # frees one micro-batch's activations as it makes the gradients, so the two peak
@@ -470,5 +473,5 @@ def _stage_volume(
         act_size=act,
         first=first,
         last=last,
-        vocab_dp=vocab_dp(m, p.dp),
+        vocab_dp=vocab_dp(m, p),
     )

@@ -94,6 +94,11 @@ class RankParams:
     # module); ``vocab`` elements held, ``vocab_local`` before the dp split.
     vocab: int = 0
     vocab_local: int = 0
+    # The LM head's elements when autograd accumulates its gradient itself (FSDP's units do
+    # it in their own buffers): its dp-split rows, or the head without dp. The head's
+    # backward comes first, so from the second micro-batch on its new gradient sits beside
+    # the held one and the micro-batch's activations.
+    head_own_grad: int = 0
 
     @property
     def sharded(self) -> int:
@@ -120,7 +125,7 @@ def rank_params(
     key = (
         tuple(vars(cfg).values()),  # every field a scalar; asdict() would dominate a search
         strategy,
-        (p.tp, p.dp, p.pp, p.num_stages),
+        (p.tp, p.dp, p.pp, p.num_stages, p.vocab_dp),
         pp_rank,
         tp_rank,
     )
@@ -137,8 +142,8 @@ def _rank_params(
     tp, dp = p.tp, p.dp
     local = vocab = vocab_local = 0
     modules: list[int] = []
-    largest = largest_block = roots = 0
-    split_vocab = vocab_dp(cfg, dp) > 1
+    largest = largest_block = roots = own_grad = 0
+    split_vocab = vocab_dp(cfg, p) > 1
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks, block_local = {i: 0 for i in layers}, {i: 0 for i in layers}
@@ -162,12 +167,16 @@ def _rank_params(
             n = math.prod(dims)
             padded = -(-dims[0] // dp) * math.prod(dims[1:])
             local += n
+            if dp == 1 and name == "lm_head.weight":
+                own_grad = n
             if split_vocab and name in VOCAB:  # rows over dp first, then over tp (dim 0)
                 rows = chunk_range(shape[0], 0, dp)[1]  # dp rank 0's: the largest
                 if dim == 0:
                     lo, hi = chunk_range(rows, tp_rank, tp)
                     rows = hi - lo
                 vocab, vocab_local = vocab + rows * math.prod(dims[1:]), vocab_local + n
+                if name == "lm_head.weight":
+                    own_grad = rows * math.prod(dims[1:])
             elif layer is None and name in VOCAB and not cfg.tie_embeddings:
                 units, largest = [*units, padded], max(largest, n)
             elif layer is None:
@@ -177,7 +186,9 @@ def _rank_params(
         modules += [*blocks.values(), *units, root]
         largest_block = max([largest_block, *block_local.values()])
         largest, roots = max(largest, root_local, largest_block), roots + root_local
-    return RankParams(local, tuple(modules), largest, largest_block, roots, vocab, vocab_local)
+    return RankParams(
+        local, tuple(modules), largest, largest_block, roots, vocab, vocab_local, own_grad
+    )
 
 
 def activation_bytes_per_block(

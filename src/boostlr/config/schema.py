@@ -228,6 +228,12 @@ class ParallelConfig:
     dp_mode: DPMode = "fsdp"
     """``fsdp``: parameters resharded after forward (ZeRO-3-like); ``ddp``: kept gathered
     from forward to backward, only gradients reduce-scattered (ZeRO-2-like)."""
+    vocab_dp: bool = True
+    """Under data parallelism, split an untied embedding's and LM head's rows over dp: they
+    exchange activations (token ids, partial embeddings, the head's input) and are never
+    gathered. Off: FSDP units of their own, gathered whole (``V x d / tp``) around their
+    forward and backward; less traffic once dp x tokens per micro-batch passes about
+    1.5 x V / tp (large micro-batches on many GPUs), at the cost of those gathered tables."""
     pp_schedule: PPSchedule = "1f1b"
     """Pipeline schedule; ``interleaved`` runs ``pp_virtual`` stages per rank."""
     microbatches: int = 0

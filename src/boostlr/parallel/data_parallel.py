@@ -240,15 +240,18 @@ def apply_data_parallel(
     """``fully_shard`` each block, then the stage (final norm; a tied embedding too).
 
     An untied embedding and LM head have their rows split over dp already
-    (``part.ctx.vocab_dp``, :mod:`boostlr.parallel.build`): FSDP ignores them. A tied table
-    stays in the stage's root unit (one parameter cannot be in two units).
+    (``part.ctx.vocab_dp``, :mod:`boostlr.parallel.build`): FSDP ignores them. With
+    ``parallel.vocab_dp`` off they are units of their own instead: inside the stage's root
+    unit they would stay gathered, with their full gradients, through the stage's whole
+    backward. A tied table stays in the root unit (one parameter cannot be in two units).
     """
     reshard = mode == "fsdp"
     model = part.model
     vocab = (model.embed_tokens, model.lm_head)
     split = part.ctx.vocab_dp_size > 1
     ignored = {m.weight for m in vocab if m is not None} if split else None
-    modules = [*model.layers.values(), part]
+    own = [] if split or model.cfg.tie_embeddings else [m for m in vocab if m is not None]
+    modules = [*model.layers.values(), *own, part]
     block_policy = mixed_precision(dtype)
     # Only the stage's own outputs go back to fp32; blocks hand bf16 to each other.
     block_policy = MixedPrecisionPolicy(
