@@ -325,7 +325,8 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
         # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
         fused = cfg.train.fused_loss and p.pp == 1
-        rows = -(-m.vocab_size // (p.tp if strategy else 1))  # over dp: / dp, for dp x tokens
+        # Split over dp too, a rank has V/(dp·tp) rows for dp·T tokens: the same count.
+        rows = -(-m.vocab_size // (p.tp if strategy else 1))
         acts += tokens * rows * (a if fused else a + 2 * FP32)
         if split_dp > 1:  # every dp rank's head input, kept for the head's backward
             acts += split_dp * tokens * m.dim * a
