@@ -235,24 +235,35 @@ def activations(args: argparse.Namespace) -> None:
     small, large = args.batch_size, 2 * args.batch_size
     rows = []
     for arch, strategy, ckpt in combos:
-        peaks = []
+        rss, allocated = [], []
         for batch in (small, large):
             ns = argparse.Namespace(**{**vars(args), "arch": arch, "batch_size": batch, "steps": 1})
             extra = ["--parallel.tp_strategy", strategy, "--parallel.act_ckpt", ckpt]
             result = run_layout(ns, (1, 1, args.tp), extra)
             if result["rc"] != 0:
                 sys.exit(f"{arch} {strategy} {ckpt} failed:\n{result['stderr']}")
-            fb = [r["phases"]["forward/backward"]["peak_mb"] for r in result["ranks"].values()]
-            before = [r["phases"]["optimizer state"]["after_mb"] for r in result["ranks"].values()]
-            peaks.append(max(f - b for f, b in zip(fb, before, strict=True)))
-        rows.append((arch, strategy, ckpt, (peaks[1] - peaks[0]) / (large - small)))
+            ranks = result["ranks"].values()
+            fb = [r["phases"]["forward/backward"] for r in ranks]
+            before = [r["phases"]["optimizer state"]["after_mb"] for r in ranks]
+            rss.append(max(f["peak_mb"] - b for f, b in zip(fb, before, strict=True)))
+            if all("allocated_peak_mb" in f for f in fb):  # constants cancel in the difference
+                allocated.append(max(f["allocated_peak_mb"] for f in fb))
+        per_seq_rss = (rss[1] - rss[0]) / (large - small)
+        per_seq = (allocated[1] - allocated[0]) / (large - small) if allocated else None
+        rows.append((arch, strategy, ckpt, per_seq, per_seq_rss))
         print(f"  measured {arch} {strategy} {ckpt}", file=sys.stderr, flush=True)
-    base = rows[0][3]
+    measure = 3 if rows[0][3] is not None else 4  # allocated bytes where the allocator counts
+    base = rows[0][measure]
     print(f"\n### activation memory per sequence, tp {args.tp}, {args.preset}, seq {args.seq_len}")
-    print("| arch | strategy | act_ckpt | MiB / sequence | vs full+megatron |")
-    print("|---|---|---|---|---|")
-    for arch, strategy, ckpt, per_seq in rows:
-        print(f"| {arch} | {strategy} | {ckpt} | {per_seq:,.1f} | {per_seq / base:.2f} |")
+    print("| arch | strategy | act_ckpt | MiB / sequence (allocated) | (RSS) | vs full+megatron |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        arch, strategy, ckpt, per_seq, per_seq_rss = row
+        cell = "-" if per_seq is None else f"{per_seq:,.1f}"
+        print(
+            f"| {arch} | {strategy} | {ckpt} | {cell} | {per_seq_rss:,.1f} | "
+            f"{row[measure] / base:.2f} |"
+        )
 
 
 def dataset_vocab(path: str) -> int:

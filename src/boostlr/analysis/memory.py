@@ -203,10 +203,9 @@ def activation_bytes_per_block(
     if act_ckpt == "block":
         return T * res * FP32 + lax_lat
     if act_ckpt == "lowrank":  # region inputs: the replicated latents and the residual slice
-        # BTP folds the norms into [A_q|A_k|A_v] and [A_gate|A_up]: their all-reduced sums
-        # (3r and 2r wide) are kept for the division by the rms, next to A's and σ's outputs.
-        folded = 5 * T * r * act if strategy == "btp" else 0
-        return 2 * T * 7 * r * act + folded + 2 * T * res * FP32 + lax_lat
+        # (BTP's folded norms keep only their outputs, which σ keeps anyway, not the
+        # all-reduced sums they divide: boostlr.parallel.btp._Normalise.)
+        return 2 * T * 7 * r * act + 2 * T * res * FP32 + lax_lat
     heads_w = d if strategy == "vanilla" else d // t  # vanilla replicates q/k/v and attention
     kv_w = kv if strategy == "vanilla" else kv // t
     ff = f if strategy == "vanilla" else f // t

@@ -164,8 +164,33 @@ def _reduce_norm_down(
         partials[1:] = [
             reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials[1:], 1)
         ]
-    inv_rms = torch.rsqrt(ss.float() / dim + eps)
-    return [p.float() * inv_rms for p in partials]
+    return list(_Normalise.apply(dim, eps, ss, *partials))
+
+
+class _Normalise(torch.autograd.Function):
+    """``y_i = p_i / sqrt(Σx² / d + eps)`` for the all-reduced partials ``p_i`` (fp32).
+
+    Autograd's own ``p * rsqrt(...)`` saves ``p``: the whole all-reduced ``[T, r·k + 1]``
+    buffer, next to the ``y`` the latents' σ saves anyway. Here only the outputs ``y_i`` and
+    the ``[T, 1]`` inverse rms are saved (``p = y / inv``): the gradients are
+    ``∂p_i = g_i · inv`` and ``∂Σx² = -inv² · Σ_i Σ(g_i · y_i) / (2d)``.
+    """
+
+    @staticmethod
+    def forward(ctx, dim: int, eps: float, ss: Tensor, *partials: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        inv = torch.rsqrt(ss.float() / dim + eps)
+        ys = tuple(p.float() * inv for p in partials)
+        ctx.dim, ctx.dtypes, ctx.ss_dtype = dim, [p.dtype for p in partials], ss.dtype
+        ctx.save_for_backward(inv, *ys)
+        return ys
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        inv, *ys = ctx.saved_tensors
+        dot = sum((g * y).sum(-1, keepdim=True) for g, y in zip(grads, ys, strict=True))
+        grad_ss = (-0.5 / ctx.dim) * inv * inv * dot
+        grad_p = [(g * inv).to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)]
+        return (None, None, grad_ss.to(ctx.ss_dtype), *grad_p)
 
 
 # ------------------------------------------------------------------------ latents + up-proj
