@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
+from parallel_cases import layout_config
 
 from boostlr.analysis.memory import activation_bytes_per_block
-from boostlr.config import RunConfig, build_config
+from boostlr.config import RunConfig
 from boostlr.parallel.engine import ParallelModel
 
 BATCH, SEQ, VOCAB = 2, 32, 256
@@ -30,17 +31,14 @@ TP1_CASES = [("cola", "btp", "none"), ("full", "megatron", "none")]
 
 
 def _config(arch: str, strategy: str, act_ckpt: str, tp: int, layers: int) -> RunConfig:
-    overrides = {
+    extra = {
         "model.preset": "small",
-        "model.arch": arch,
         "model.n_layers": layers,
         "data.seq_len": SEQ,
         "train.batch_size": BATCH,
-        "parallel.tp": tp,
-        "parallel.tp_strategy": strategy,
         "parallel.act_ckpt": act_ckpt,
     }
-    cfg = build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
+    cfg = layout_config(arch, strategy, 1, 1, tp, **extra)
     cfg.model.vocab_size = VOCAB
     return cfg
 
