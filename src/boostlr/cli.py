@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "train",
         help="train a model",
         description="Train. Any config value can be overridden as --section.key VALUE "
-        "(sections: model, data, train, parallel); see README for the reference.",
+        "(sections: model, data, train, parallel); every key is in docs/config.md.",
     )
     t.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
     t.add_argument("--run-dir", default=None, help="run directory (default runs/<timestamp>)")

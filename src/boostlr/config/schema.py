@@ -2,9 +2,10 @@
 
 Everything a run needs is one :class:`RunConfig`. Each field has a docstring saying what it
 does; a field whose values are a fixed set is typed with that set (``Literal``), and the
-tuples below are those sets for validation messages. The README's config reference lists
-every key. Resolution and validation live in :mod:`boostlr.config.validate`, reading TOML
-and ``--section.key`` overrides in :mod:`boostlr.config.parse`.
+tuples below are those sets for validation messages. docs/config.md, the config reference,
+is generated from these docstrings (``python -m boostlr.config.reference > docs/config.md``),
+so write them for users. Resolution and validation live in :mod:`boostlr.config.validate`,
+reading TOML and ``--section.key`` overrides in :mod:`boostlr.config.parse`.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ class ModelConfig:
     """Model shape and architecture. Shape fields left unset come from ``preset``."""
 
     preset: str = "small"
-    """Shape preset (a key of :data:`PRESETS`): dim, ffn_dim, layers, heads, kv heads."""
+    """Shape preset: dim, ffn_dim, layers, heads and kv heads. ``tiny`` (64/176/2 layers/4
+    heads) and ``small`` (128/352/4 layers/4 heads) are for tests and the CPU demo; ``60M`` to
+    ``30B`` are LLaMA shapes."""
     arch: Arch = "cola"
-    """``full`` (dense LLaMA), ``cola`` (B σ(A x)), ``svd`` (B A x) or ``lax`` (CoLA with a
-    gated crossing from the previous layer's latent)."""
+    """``full`` (dense LLaMA), ``cola`` (``B σ(A x)``), ``svd`` (``B A x``) or ``lax``
+    (``B σ(LN_r(A x + G(z_prev)))``: CoLA with a gated crossing from the previous layer's
+    latent)."""
     dim: int | None = None
-    """Hidden size; unset takes the preset's."""
+    """Hidden size; unset takes the preset's (set it to override the preset's shape)."""
     n_layers: int | None = None
     """Transformer blocks; unset takes the preset's."""
     n_heads: int | None = None
@@ -87,12 +91,13 @@ class ModelConfig:
     vocab_size: int = 0
     """0 takes it from the dataset's tokenizer (or the preset when planning)."""
     rank: int | None = None
-    """Rank of every low-rank linear; an explicit rank wins over ``rank_ratio``."""
+    """Rank of every low-rank linear; an explicit rank wins over ``rank_ratio``. For
+    ``parallel.tp_strategy vanilla`` it must be divisible by ``parallel.tp``."""
     rank_ratio: float = 0.25
-    """rank = round(ratio x dim) when ``rank`` is unset."""
+    """``rank = round(rank_ratio x dim)`` when ``rank`` is unset."""
     mlp: MlpForm = "auto"
-    """``lowrank-only`` (down(gate(x) ⊙ up(x)) of low-rank linears) or ``swiglu``; auto picks
-    the first for low-rank archs, the second for ``full``."""
+    """``lowrank-only`` (``down(gate(x) ⊙ up(x))`` of low-rank linears) or ``swiglu``;
+    ``auto`` picks the first for low-rank archs, the second for ``full``."""
     lax_gate: LaxGate = "factored"
     """LaX's crossing map G: ``factored`` (r -> r/4 -> r) or ``full`` (r x r)."""
     rope_theta: float = 10000.0
@@ -100,7 +105,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
-    """Share the embedding with the LM head (refused with btp and with pipelines)."""
+    """Share the embedding with the LM head (refused with btp and with ``parallel.pp > 1``)."""
     max_seq_len: int = 4096
     """Longest sequence the RoPE tables cover; ``data.seq_len`` may not exceed it."""
     init_std: float = 0.02
@@ -134,13 +139,15 @@ class DataConfig:
     """Where tokens come from. ``path=None`` uses the embedded stdlib corpus."""
 
     path: str | None = None
-    """A directory written by ``boostlr prepare``; unset uses the embedded stdlib corpus."""
+    """A directory written by ``boostlr prepare``; unset uses the embedded stdlib corpus,
+    prepared once and cached in ``$BOOSTLR_CACHE`` (default ``~/.cache/boostlr``)."""
     seq_len: int = 128
-    """Tokens per training sequence."""
+    """Tokens per training sequence (at most ``model.max_seq_len``)."""
     default_vocab: int = 4096
     """BPE vocabulary of the default corpus (used only when ``path`` is unset)."""
     val_batches: int = 8
-    """Validation set: the first val_batches x global-batch windows of the val split."""
+    """Validation set: the first ``val_batches x global batch`` windows of the val split (the
+    same at every layout), in ``train.batch_size`` batches shared out over the dp ranks."""
 
 
 @dataclass
@@ -152,15 +159,16 @@ class TrainConfig:
     batch_size: int = 16
     """Sequences per micro-batch on each data-parallel rank."""
     grad_accum: int = 1
-    """Micro-batches per step; derived when ``global_batch`` is set."""
+    """Micro-batches per step; derived (and the given value ignored) when ``global_batch`` is
+    set."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate: linear warmup to it, then cosine to ``min_lr_ratio x lr``."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at min_lr_ratio x lr."""
     warmup: int = 30
     """Steps of linear warmup."""
     weight_decay: float = 0.1
-    """AdamW weight decay (none on norm gains)."""
+    """AdamW weight decay (none on norm gains). AdamW is fused when available."""
     beta1: float = 0.9
     """AdamW's first-moment decay."""
     beta2: float = 0.95
@@ -172,7 +180,8 @@ class TrainConfig:
     seed: int = 0
     """Weights (one generator per parameter, the same at every layout) and data order."""
     dtype: Dtype = "float32"
-    """``bfloat16``: autocast compute and FSDP bf16 gathers, fp32 master weights."""
+    """``float32``, or ``bfloat16``: autocast compute and FSDP bf16 gathers, fp32 master
+    weights."""
     log_every: int = 10
     """Steps between metrics rows (the only steps that read values back from the device)."""
     eval_every: int = 100
@@ -189,25 +198,31 @@ class TrainConfig:
     collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA."""
     profile_steps: str = ""
     """``A:B`` writes a torch.profiler trace of steps A..B into the run directory, one file
-    per rank; empty is off."""
+    per rank (``trace_rank{r}_steps{A}-{B}.json``); empty is off."""
     memory_phases: bool = False
     """Write each rank's memory per phase (start-up, materialise, FSDP wrap, optimizer
-    state, forward/backward, step, eval, save) to ``<run>/memory/rank<N>.json``."""
+    state, forward/backward, step, eval, save) to ``<run>/memory/rank<N>.json``
+    (``benchmarks/memory.py`` prints it)."""
     cpu_alloc_cache: bool = True
-    """CPU: a caching host allocator, so the large tensors every step reallocates skip the
-    kernel's page faults: jemalloc/tcmalloc preloaded into the ranks when installed, else
-    glibc's heap told to keep what it frees (mallopt)."""
+    """CPU runs (Linux): a caching host allocator, so the large tensors every step
+    reallocates skip the kernel's page faults: jemalloc/tcmalloc preloaded into the ranks
+    when installed (``LD_PRELOAD`` set by the launcher), else glibc's heap told to keep what
+    it frees (mallopt)."""
     fused_loss: bool = True
     """The LM head and its cross-entropy in one step: each chunk of logits becomes its
-    gradient while in cache, so one [tokens, vocab] buffer is kept instead of about four
-    (pipeline runs keep the unfused loss: their schedule owns it)."""
+    gradient while in cache, so one ``[tokens, vocab]`` buffer is kept instead of about four
+    (logits, their fp32 copy, log-softmax, gradient); same loss and gradients to fp32
+    rounding. Pipeline runs keep the unfused loss: their schedule owns it."""
     global_batch: int = 0
-    """Sequences per optimizer step over all data-parallel ranks; 0 = batch_size x
-    grad_accum x dp. When set it derives grad_accum (it must divide evenly)."""
+    """Sequences per optimizer step over all data-parallel ranks; 0 = ``batch_size x
+    grad_accum x dp``. When set it derives ``grad_accum = global_batch / (batch_size x dp)``,
+    which must divide evenly."""
     tensorboard: bool = False
-    """Copy every metrics row to TensorBoard event files in ``<run>/tb/``."""
+    """Copy every metrics row to TensorBoard event files in ``<run>/tb/`` (needs
+    ``tensorboard``: the ``tb`` extra)."""
     wandb: str | None = None
-    """Copy every metrics row to this Weights & Biases project (``WANDB_MODE`` works)."""
+    """Copy every metrics row to this Weights & Biases project (needs ``wandb``: the
+    ``wandb`` extra; ``WANDB_MODE=offline`` works)."""
 
 
 @dataclass
@@ -218,13 +233,18 @@ class ParallelConfig:
     """``cpu`` (gloo), ``cuda`` (NCCL), or auto: cuda when available."""
     nproc: int = 0
     """Local processes to launch; 0 = the product of the parallel degrees, else it must
-    equal it. Under torchrun/srun the launcher's WORLD_SIZE must match it."""
+    equal it. With ``dp = -1`` it is the world that dp fills. Under torchrun/srun the
+    launcher's ``WORLD_SIZE`` must equal ``pp x dp x tp``."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree; must divide heads, kv heads, dim and ffn_dim (and the rank
+    for vanilla)."""
     dp: int = 1
-    """Data-parallel degree (FSDP2); -1 fills the rest of the world."""
+    """Data-parallel degree (FSDP2 over the mesh's ``dp`` dim); -1 fills the rest of the
+    world: ``parallel.nproc``, else the launcher's ``WORLD_SIZE`` / ``SLURM_NTASKS``, divided
+    by ``pp x tp``."""
     pp: int = 1
-    """Pipeline-parallel degree."""
+    """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
+    (times ``pp_virtual`` under ``interleaved``)."""
     dp_mode: DPMode = "fsdp"
     """``fsdp``: parameters resharded after forward (ZeRO-3-like); ``ddp``: kept gathered
     from forward to backward, only gradients reduce-scattered (ZeRO-2-like)."""
@@ -235,21 +255,30 @@ class ParallelConfig:
     forward and backward; less traffic once dp x tokens per micro-batch passes about
     1.5 x V / tp (large micro-batches on many GPUs), at the cost of those gathered tables."""
     pp_schedule: PPSchedule = "1f1b"
-    """Pipeline schedule; ``interleaved`` runs ``pp_virtual`` stages per rank."""
+    """Pipeline schedule; ``interleaved`` (interleaved 1F1B) runs ``pp_virtual`` stages per
+    rank. ``1f1b`` and ``interleaved`` need ``microbatches >= pp``, ``interleaved`` a
+    multiple of ``pp``."""
     microbatches: int = 0
-    """Pipeline micro-batches per batch_size micro-batch; 0 = the number of stages."""
+    """Pipeline micro-batches per ``train.batch_size`` micro-batch (must divide it); 0 = the
+    number of stages (``pp``, or ``pp x pp_virtual`` under ``interleaved``)."""
     pp_virtual: int = 2
-    """Stages per rank under the interleaved schedule."""
+    """Stages per rank under the interleaved schedule (ignored by the other schedules)."""
     tp_strategy: TPStrategy = "auto"
-    """auto: none at tp 1, btp for low-rank archs, megatron for full."""
+    """``megatron`` (for ``full``), ``vanilla`` or ``btp`` (low-rank). ``auto``: at tp 1 the
+    one-device model (low-rank archs with ``grouping`` run BTP's grouped block without
+    collectives; measured no faster on a 2-core CPU, see benchmarks/RESULTS.md), else btp
+    for low-rank archs and megatron for ``full``."""
     norm: NormMode = "online"
     """btp: RMSNorm statistics ride with the down-projection all-reduce (``online``) or get
     their own (``sync``)."""
     grouping: bool = True
-    """btp: one fused GEMM for the down-projections, batched up-projections."""
+    """btp: one fused GEMM for the down-projections and one all-reduce, batched
+    up-projections."""
     tp_overlap: bool = True
     """btp: each up-projection B starts its latents' backward all-reduce before computing
-    its weight gradient, so the exchange overlaps that GEMM (eager runs; off: blocking)."""
+    its weight gradient, so the exchange overlaps that GEMM, and the wait sits where the
+    blocking all-reduce was: same bytes and results, less exposed communication (eager
+    runs; off: blocking)."""
     act_ckpt: ActCkpt = "none"
     """Activation checkpointing: ``lowrank`` (btp's regions, no recompute traffic) or
     ``block`` (whole blocks)."""
@@ -257,11 +286,12 @@ class ParallelConfig:
     """Restart all ranks up to this many times when one dies (SIGKILL, OOM); they resume
     from the newest valid checkpoint by themselves."""
     timeout_s: float = 600.0
-    """Seconds a collective may wait on any process group before the run fails instead of
-    hanging."""
+    """Seconds any collective may wait, on every process group (subgroups included), before
+    the run fails instead of hanging."""
     pin_cores: bool = True
     """CPU: bind each local rank to its own slice of the cores (gloo's threads included) so
-    ranks do not preempt the peers they wait for; off leaves scheduling to the OS."""
+    ranks do not preempt the peers they wait for; skipped when there are more local ranks
+    than cores or srun already binds them. Off leaves scheduling to the OS."""
 
     @property
     def world_size(self) -> int:
