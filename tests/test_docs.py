@@ -110,6 +110,25 @@ def test_config_reference_is_current() -> None:
     )
 
 
+def test_regenerate_command_prints_the_reference() -> None:
+    """``python -m boostlr.config.reference`` (what the stale-page message says to run)."""
+    import os
+    import subprocess
+    import sys
+
+    from boostlr.config.reference import reference_markdown
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-m", "boostlr.config.reference"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert out.stdout == reference_markdown()
+
+
 def test_config_reference_covers_every_key() -> None:
     import dataclasses
 
