@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from boostlr.config import ModelConfig
 from boostlr.models.init import initial_value
@@ -24,6 +25,8 @@ from boostlr.models.params import local
 from boostlr.models.shapes import ATTN_LINEARS, MLP_LINEARS, linear_shapes  # noqa: F401
 
 Latents = dict[str, torch.Tensor]
+# SDPA's ``enable_gqa`` (torch 2.5+): grouped K/V heads without ``repeat_interleave``.
+SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
 
 
 def make_linear(
@@ -85,10 +88,13 @@ def causal_attention(
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if n_rep == 1:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif SDPA_GQA:  # each query head group reads its K/V head in place: no repeated copies
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(1, 2).reshape(b, s, -1)
 
 
