@@ -303,6 +303,16 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, pin_memory=copy_plan(device.type).pin)
 
 
+def copy_steps(t: torch.Tensor, device: torch.device) -> tuple[bool, bool] | None:
+    """How :func:`to_device` moves ``t`` to ``device``: ``(pin first, non_blocking)``, or
+    ``None`` when it is there already. A pure function of the tensor and the target, so a
+    CPU-only test can ask what a GPU rank's copy would do."""
+    if t.device == device or (t.device.type == device.type and device.index is None):
+        return None
+    plan = copy_plan(device.type)
+    return plan.pin and runs_on_host(t.device) and not t.is_pinned(), plan.non_blocking
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` as its plan says: every batch takes this way.
 
@@ -310,12 +320,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     pageable copy would make the host wait for the device); the training loader builds its
     batches in :func:`host_buffer`, so its batches never need that extra copy.
     """
-    if t.device == device or (t.device.type == device.type and device.index is None):
+    steps = copy_steps(t, device)
+    if steps is None:
         return t
-    plan = copy_plan(device.type)
-    if plan.pin and runs_on_host(t.device) and not t.is_pinned():
+    pin_first, non_blocking = steps
+    if pin_first:
         t = t.pin_memory()
-    return t.to(device, non_blocking=plan.non_blocking)
+    return t.to(device, non_blocking=non_blocking)
 
 
 class HostToDevice:
