@@ -28,8 +28,8 @@ SRC = Path(__file__).parents[1] / "src"
     [
         (0, 8, 8, 0),
         (5, 8, 8, 5),  # every GPU of the node visible: the local rank
-        (3, 1, 4, 0),  # srun --gpus-per-task=1 / a CUDA_VISIBLE_DEVICES per task: cuda:0
-        (1, 1, None, 0),
+        (3, 1, None, 0),  # srun --gpus-per-task=1 / a CUDA_VISIBLE_DEVICES per task: cuda:0
+        (0, 1, 1, 0),
         (9, 8, None, 1),  # a launcher's local ranks beyond the GPUs wrap around
         (3, 4, 4, 3),
     ],
@@ -51,8 +51,12 @@ def test_a_rank_without_a_gpu_names_its_visible_devices() -> None:
 
 
 def test_two_ranks_on_one_gpu_are_refused() -> None:
-    with pytest.raises(ConfigError, match="4 ranks on this node .* 2 GPUs"):
+    """Under torchrun (LOCAL_WORLD_SIZE) every local rank sees the same GPUs."""
+    with pytest.raises(ConfigError, match=r"4 ranks on this node .* 2 GPU\(s\)"):
         dev.local_device_index(3, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}, 4)
+    with pytest.raises(ConfigError, match=r"2 ranks on this node .* 1 GPU\(s\)"):
+        dev.local_device_index(0, 1, {"CUDA_VISIBLE_DEVICES": "0"}, 2)
+    dev.check_local_gpus(torch.device("cpu"), 8)  # CPU ranks need none
 
 
 def test_binding_on_this_machine() -> None:

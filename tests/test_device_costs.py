@@ -1,5 +1,6 @@
-"""Small GPU costs removed without changing results: GQA through SDPA's ``enable_gqa``
-instead of copies of K/V made by ``repeat_interleave`` (the formula it replaced)."""
+"""Small GPU costs removed without changing results: GQA in half precision through SDPA's
+``enable_gqa`` instead of copies of K/V made by ``repeat_interleave`` (the formula it
+replaced, which fp32 keeps: CUDA's fused fp32 kernels cannot group heads)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def _run(fn, tensors, rope, dtype):
     return out, grads
 
 
-def test_the_gqa_path_is_the_one_taken_on_this_torch() -> None:
+def test_half_precision_takes_the_kernels_gqa_on_this_torch() -> None:
     assert llama.SDPA_GQA  # torch >= 2.5: the copies are gone, not merely tested
+    assert llama.gqa_in_kernel(torch.zeros(1, dtype=torch.bfloat16))
+    assert not llama.gqa_in_kernel(torch.zeros(1))  # fp32: CUDA's fused kernels lack it
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 1), (6, 3), (4, 4)])

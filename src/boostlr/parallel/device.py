@@ -68,16 +68,19 @@ def local_device_index(
 
     ``local_rank % device_count``: with every GPU of the node visible that is the local rank;
     where the site shows each task only its own GPU (``srun --gpus-per-task=1``,
-    ``--gpu-bind=single:1``, a ``CUDA_VISIBLE_DEVICES`` per task) it is 0. Two ranks on one
-    GPU is refused here: NCCL would fail later with a less helpful message.
+    ``--gpu-bind=single:1``, a ``CUDA_VISIBLE_DEVICES`` per task) it is 0. ``local_world``
+    is known where one launcher starts the node's ranks with the same view of the GPUs
+    (torchrun, boostlr's own launch: ``LOCAL_WORLD_SIZE``); fewer GPUs than ranks is then
+    refused here, as NCCL would fail later with a less helpful message.
     """
     if device_count < 1:
         raise ConfigError(no_gpu_message(env, env.get("RANK")))
-    if local_world is not None and 1 < device_count < local_world:
+    if local_world is not None and device_count < local_world:
+        visible = env.get("CUDA_VISIBLE_DEVICES", UNSET)
         raise ConfigError(
             f"{local_world} ranks on this node but rank {env.get('RANK', '?')} sees "
-            f"{device_count} GPUs (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', UNSET)})"
-            ": NCCL needs one GPU per rank; start one rank per GPU"
+            f"{device_count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): NCCL needs one GPU per "
+            "rank; start as many ranks per node as it has GPUs"
         )
     return local_rank % device_count
 
@@ -98,6 +101,12 @@ def bind_rank_device(device: torch.device, env: Mapping[str, str] | None = None)
     bound = torch.device(CUDA, index)
     torch.cuda.set_device(bound)
     return bound
+
+
+def check_local_gpus(device: torch.device, ranks: int) -> None:
+    """Before boostlr starts ``ranks`` ranks on this node itself: one GPU each is visible."""
+    if not runs_on_host(device):
+        local_device_index(ranks - 1, torch.cuda.device_count(), os.environ, ranks)
 
 
 def accelerator_name(device: torch.device) -> str | None:

@@ -34,7 +34,7 @@ from boostlr.errors import (
 )
 from boostlr.fsutil import write_text_atomic
 from boostlr.parallel.compile import check_toolchain
-from boostlr.parallel.device import resolve_device, runs_on_host
+from boostlr.parallel.device import check_local_gpus, resolve_device, runs_on_host
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
 from boostlr.train.checkpoint import Checkpoint, CheckpointWriter, read_checkpoint
@@ -92,6 +92,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     adopt_slurm_env()
     if under_launcher():  # torchrun/srun started the ranks: join them
         return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
+    check_local_gpus(device, cfg.parallel.world_size)
     ckpt = prepare_run_dir(cfg, run_dir, resume, datasets[0])
     if cfg.parallel.world_size == 1 and cfg.parallel.max_restarts == 0:
         return _train_rank(cfg, run_dir, ckpt, console, device, datasets)
