@@ -5,11 +5,22 @@ On a GPU every ``Tensor.item``, ``float(t)``, ``bool(t)``, ``t.tolist()`` and
 while step N runs. Such conversions are counted here (patched for the run) over the steps
 between two log rows, for one process, tp 2 and pp 2 x dp 2 (real gloo ranks): none may
 happen there. On CPU the same calls are the proxy that is counted.
+
+Feeding a batch is the other way to stall a GPU: a copy from pageable host memory waits for
+the device. So every batch must be built in the device module's host buffers (pinned on a
+GPU) and cross only through its ``to_device`` (non-blocking there): the way each batch
+takes is watched here too, and what that way does for a CUDA target is asked of the device
+module's pure ``copy_steps``. With ``BOOSTLR_SYNC_CHECK_DEVICE=cuda`` (the GPU check) the
+one-process run trains on the GPU and its quiet steps run under
+``torch.cuda.set_sync_debug_mode("error")``, so any synchronising call there raises.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -17,22 +28,82 @@ import torch
 from distributed import run_distributed
 from test_train import tiny_run_config
 
+from boostlr.data import loader as loader_module
+from boostlr.parallel import device as device_module
+from boostlr.parallel import engine as engine_module
 from boostlr.train import run as trainer
 from boostlr.train.profiling import StepProfiler
 
 STEPS = 6  # log rows at step 1 and 6 (the last): steps 2-5 must not sync
 CONVERSIONS = ("item", "__float__", "__bool__", "tolist", "__int__")
+DEVICE = os.environ.get("BOOSTLR_SYNC_CHECK_DEVICE", "cpu")  # "cuda" in the GPU check
+PLANNED, PAGEABLE, BYPASS = "h2d from host_buffer", "h2d pageable", "device move outside to_device"
 
 
-def count_conversions(cfg, run_dir: Path, rank_of_group: bool = False) -> dict[int, dict]:
-    """Train, counting conversions per step (from its start to the next step's start).
+def _moves_device(args: tuple, kwargs: dict) -> bool:
+    """``Tensor.to(...)`` arguments that name a device (not only a dtype)."""
+    return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
+
+
+def watch_batches(stack: ExitStack, note) -> None:
+    """Watch (the originals still run) each batch's way to the device: built by the
+    loader in ``host_buffer``, moved by ``to_device`` only, never by a ``.to(device)`` of
+    its own. ``note(key)`` counts, for the step under way."""
+    buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    inside = {"to_device": 0}
+
+    def from_buffer(t: torch.Tensor) -> bool:
+        return buffers.get(id(t)) is t
+
+    make = loader_module.host_buffer
+
+    def host_buffer(*args, **kwargs):
+        t = make(*args, **kwargs)
+        buffers[id(t)] = t
+        return t
+
+    move = device_module.to_device
+
+    def to_device(t, device):
+        note(PLANNED if from_buffer(t) else PAGEABLE)
+        inside["to_device"] += 1
+        try:
+            return move(t, device)
+        finally:
+            inside["to_device"] -= 1
+
+    tensor_to = torch.Tensor.to
+
+    def watched_to(self, *args, **kwargs):
+        if not inside["to_device"] and from_buffer(self) and _moves_device(args, kwargs):
+            note(BYPASS)
+        return tensor_to(self, *args, **kwargs)
+
+    for owner, name, value in (
+        (loader_module, "host_buffer", host_buffer),
+        (device_module, "to_device", to_device),
+        (engine_module, "to_device", to_device),
+        (torch.Tensor, "to", watched_to),
+    ):
+        stack.callback(setattr, owner, name, getattr(owner, name))
+        setattr(owner, name, value)
+
+
+def count_conversions(
+    cfg, run_dir: Path, rank_of_group: bool = False
+) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Train, counting conversions and batch copies per step (from its start to the next
+    step's start); the quiet steps run under CUDA's sync debug mode "error" on a GPU.
 
     ``rank_of_group``: this process is one rank of an existing process group (the run
     directory is already written): it trains its part directly.
     """
     counts: dict[int, Counter] = {}
+    copies: dict[int, Counter] = {}
     current = {"step": 0}
     patched = {}
+    device = torch.device(cfg.parallel.device)
+    debug = ExitStack()
 
     def counting(name: str):
         original = getattr(torch.Tensor, name)
@@ -47,7 +118,13 @@ def count_conversions(cfg, run_dir: Path, rank_of_group: bool = False) -> dict[i
 
     def mark(self, step: int) -> None:
         current["step"] = step
+        debug.close()  # a log step (1, STEPS) may read the device
+        if 1 < step < STEPS:
+            debug.enter_context(device_module.sync_debug(device, "error"))
         before_step(self, step)
+
+    def note_copy(key: str) -> None:
+        copies.setdefault(current["step"], Counter())[key] += 1
 
     synchronize = torch.cuda.synchronize
 
@@ -61,23 +138,34 @@ def count_conversions(cfg, run_dir: Path, rank_of_group: bool = False) -> dict[i
     StepProfiler.before_step = mark
     torch.cuda.synchronize = counted_sync
     try:
-        if rank_of_group:
-            datasets = trainer.open_datasets(cfg)
-            trainer.bind_vocab(cfg, datasets[0])
-            trainer._train_rank(cfg, run_dir, None, False, torch.device("cpu"), datasets)
-        else:
-            trainer.train(cfg, run_dir, console=False)
+        with ExitStack() as watching:
+            watch_batches(watching, note_copy)
+            if rank_of_group:
+                datasets = trainer.open_datasets(cfg)
+                trainer.bind_vocab(cfg, datasets[0])
+                trainer._train_rank(cfg, run_dir, None, False, device, datasets)
+            else:
+                trainer.train(cfg, run_dir, console=False)
     finally:
+        debug.close()
         for name, (original, _) in patched.items():
             setattr(torch.Tensor, name, original)
         StepProfiler.before_step = before_step
         torch.cuda.synchronize = synchronize
-    return {step: dict(c) for step, c in counts.items()}
+    return {step: dict(c) for step, c in counts.items()}, {s: dict(c) for s, c in copies.items()}
 
 
 def _config(data: Path, **extra):
     quiet = {"train.log_every": 100, "train.eval_every": 100, "train.ckpt_every": 100}
     return tiny_run_config(data, **{"train.steps": STEPS, **quiet, **extra})
+
+
+def assert_batches_take_the_planned_way(per_step: dict[int, dict[str, int]]) -> None:
+    """Every quiet step feeds its batches from host buffers through ``to_device`` only."""
+    for step in range(2, STEPS):
+        seen = per_step.get(step, {})
+        assert seen.get(PLANNED, 0) >= 2, (step, seen)  # the watch is real: copies seen
+        assert set(seen) == {PLANNED}, (step, seen)
 
 
 def _rank_counts(rank: int, world: int, data: str, run_dir: str, extra: dict) -> dict:
@@ -91,7 +179,37 @@ def assert_quiet(per_step: dict[int, dict[str, int]]) -> None:
 
 
 def test_one_process_steps_do_not_sync(small_dataset: Path, tmp_path: Path) -> None:
-    assert_quiet(count_conversions(_config(small_dataset), tmp_path / "run"))
+    cfg = _config(small_dataset, **{"parallel.device": DEVICE})
+    conversions, copies = count_conversions(cfg, tmp_path / "run")
+    assert_quiet(conversions)
+    assert_batches_take_the_planned_way(copies)
+
+
+def test_a_batch_copy_to_a_gpu_never_makes_the_host_wait() -> None:
+    """What ``to_device`` does with a batch bound for a GPU, asked without one: a batch from
+    ``host_buffer`` is pinned there (so it is copied as it is), and the copy is queued."""
+    gpu = torch.device("cuda", 0)
+    plan = device_module.copy_plan(gpu.type)
+    assert plan.pin and plan.non_blocking and plan.side_stream  # host_buffer pins under it
+    pageable = torch.arange(8)
+    assert device_module.copy_steps(pageable, gpu) == (True, True)  # pinned first, queued
+    assert device_module.copy_steps(pageable, torch.device("cpu")) is None
+    assert device_module.copy_plan("cpu") == device_module.CopyPlan(False, False, False)
+
+
+def test_the_watch_sees_a_batch_moved_around_to_device(small_dataset: Path, tmp_path) -> None:
+    """The old feeding, ``inputs.to(self.device)`` in the engine, is caught."""
+
+    def forward_backward(self, inputs, targets):
+        return original(self, inputs.to(self.device), targets.to(self.device))
+
+    original = engine_module.ParallelModel.forward_backward
+    engine_module.ParallelModel.forward_backward = forward_backward
+    try:
+        _, copies = count_conversions(_config(small_dataset), tmp_path / "run")
+    finally:
+        engine_module.ParallelModel.forward_backward = original
+    assert all(copies[step].get(BYPASS) for step in range(2, STEPS)), copies
 
 
 @pytest.mark.slow
@@ -110,5 +228,6 @@ def test_distributed_steps_do_not_sync(small_dataset: Path, tmp_path: Path, layo
     trainer.bind_vocab(cfg, datasets[0])
     trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
     per_rank = run_distributed(_rank_counts, world, str(small_dataset), str(run_dir), layout)
-    for per_step in per_rank:
-        assert_quiet(per_step)
+    for conversions, copies in per_rank:
+        assert_quiet(conversions)
+        assert_batches_take_the_planned_way(copies)

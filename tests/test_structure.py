@@ -109,3 +109,85 @@ def test_the_cost_model_imports_nothing_from_the_engine() -> None:
                 todo.append(dep)
     engine = sorted(dep for dep in reached if dep.startswith("boostlr.parallel"))
     assert not engine, engine
+
+
+# ----------------------------------------------------------------------------- device specifics
+
+DEVICE_MODULE = "boostlr.parallel.device"
+BACKENDS = {"nccl", "gloo", "mpi", "ucc"}
+DEVICE_WORDS = {"cpu", "cuda", "mps", "xpu", "hpu", "meta", *BACKENDS}
+# Modules still allowed to branch on a device, each with why. Every entry must still need
+# it (the test fails on a stale one), so the list only shrinks.
+DEVICE_ALLOWED = {
+    # A hardware profile's "device" field ("gpu"/"cpu": what calibrate measured), not a
+    # torch device or backend.
+    "boostlr.analysis.hardware": "profile kind",
+    # Outside this change's files (follow-ups: ask boostlr.parallel.device instead).
+    "boostlr.calibrate": "own process group and timing for the measurement",
+    "boostlr.parallel.compile": "inductor's toolchain check per device",
+    "boostlr.train.profiling": "profiler activities per device",
+    "boostlr.train.state": "CUDA RNG states in checkpoints",
+    # ``torch.device(device).type == "meta"``: building without storage, not a device kind.
+    "boostlr.models.llama": "meta build",
+}
+
+
+def _words(node: ast.AST, words: set[str] = DEVICE_WORDS) -> set[str]:
+    """Device/backend names written as string constants in ``node`` (tuples included)."""
+    return {
+        n.value
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in words
+    }
+
+
+def device_branches(source: str) -> list[str]:
+    """Where ``source`` decides by device kind or backend name itself (line: what)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"line {getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute) and node.attr == "cuda":
+            if isinstance(node.value, ast.Name) and node.value.id == "torch":
+                found.append(f"{where}: torch.cuda")
+        elif isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+            found.append(f"{where}: .is_cuda")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            by_type = any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides)
+            if by_type or any(_words(s) for s in sides):
+                found.append(f"{where}: compares {ast.unparse(node)}")
+        elif isinstance(node, ast.IfExp) and _words(node, BACKENDS):
+            found.append(f"{where}: chooses {ast.unparse(node)}")
+    return sorted(found, key=lambda f: int(f.split(":")[0].split()[1]))
+
+
+def test_the_device_rule_finds_the_branches_it_forbids() -> None:
+    code = (
+        'a = device.type == "cuda"\n'
+        'b = "nccl" if x else "gloo"\n'
+        "c = torch.cuda.synchronize\n"
+        'd = dist.get_backend(g) in ("gloo", "mpi")\n'
+        "e = t.is_cuda\n"
+        'f = torch.autocast(device.type, dtype=x)\nrng = {"cpu": 1}\n'
+    )
+    assert [line.split(":")[0] for line in device_branches(code)] == [
+        f"line {i}" for i in (1, 2, 3, 4, 5)
+    ]
+
+
+def test_only_the_device_module_branches_on_device_or_backend() -> None:
+    """``parallel/device.py`` is the one home of device specifics: backend, rank->GPU
+    mapping, timing, syncs, memory, copies. Passing ``device.type`` on (to autocast) is fine;
+    deciding by it is not."""
+    found, stale = {}, []
+    for name, path in modules().items():
+        branches = device_branches(path.read_text())
+        if name == DEVICE_MODULE:
+            assert branches  # the rule sees the module that does branch
+        elif name in DEVICE_ALLOWED:
+            if not branches:
+                stale.append(name)
+        elif branches:
+            found[name] = branches
+    assert not found, found
+    assert not stale, f"no longer branch on a device: drop from DEVICE_ALLOWED: {stale}"

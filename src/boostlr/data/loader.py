@@ -15,6 +15,7 @@ import torch
 
 from boostlr.data.prepare import SPLITS, validate_dataset
 from boostlr.errors import DataError
+from boostlr.parallel.device import HostToDevice, host_buffer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -64,10 +65,18 @@ def num_windows(dataset: TokenDataset, seq_len: int) -> int:
     return max(0, (len(dataset) - 1) // seq_len)
 
 
-def _windows_batch(dataset: TokenDataset, windows: np.ndarray, seq_len: int) -> Batch:
+def _windows_batch(
+    dataset: TokenDataset, windows: np.ndarray, seq_len: int, device: torch.device | None = None
+) -> Batch:
+    """Inputs and targets of ``windows``, built in host memory fit for ``device``'s copies
+    (pinned for a GPU: :func:`~boostlr.parallel.device.host_buffer`)."""
     rows = np.stack([dataset.tokens(int(w) * seq_len, seq_len + 1) for w in windows])
     data = torch.from_numpy(rows)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    if device is None:
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    shape = (len(windows), seq_len)
+    inputs, targets = host_buffer(shape, data.dtype, device), host_buffer(shape, data.dtype, device)
+    return inputs.copy_(data[:, :-1]), targets.copy_(data[:, 1:])
 
 
 class BatchLoader:
@@ -79,6 +88,11 @@ class BatchLoader:
     An epoch holds a whole number of optimizer steps (``grad_accum`` calls each), so an
     optimizer step takes the same windows at every layout with the same global batch: the
     position is saved in windows, which lets a checkpoint resume at another dp size.
+
+    With a ``device`` the batches come on it: each is built in pinned host memory (on a GPU)
+    and its copy is queued one call ahead, so batch N+1 crosses while batch N computes and
+    no call waits for the device. The state counts the batches handed out, never the one
+    ahead.
     """
 
     def __init__(
@@ -90,6 +104,7 @@ class BatchLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         grad_accum: int = 1,
+        device: torch.device | None = None,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise DataError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
@@ -109,6 +124,9 @@ class BatchLoader:
         self.epoch = 0
         self.position = 0
         self._perm: tuple[int, torch.Tensor] | None = None
+        self.device = device
+        self._copies = HostToDevice(device) if device is not None else None
+        self._ahead: tuple[tuple[int, int], Batch] | None = None  # (epoch, position), batch
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -120,16 +138,33 @@ class BatchLoader:
         if self.position >= self.batches_per_epoch:
             self.epoch += 1
             self.position = 0
-        global_batch = self.batch_size * self.dp_size
-        start = self.position * global_batch + self.dp_rank * self.batch_size
-        windows = self._permutation()[start : start + self.batch_size].numpy()
+        key = (self.epoch, self.position)
         self.position += 1
-        return _windows_batch(self.dataset, windows, self.seq_len)
+        if self._copies is None:
+            return self._host_batch(*key)
+        if self._ahead is not None and self._ahead[0] == key:
+            batch = self._ahead[1]
+        else:  # the first call, or the state was loaded since
+            batch = self._copies.start(self._host_batch(*key))
+        # Ready before the next copy is queued: the compute stream waits for this batch's
+        # copy only, not for the one that follows.
+        batch = self._copies.ready(batch)
+        following = (self.epoch + 1, 0) if self.position >= self.batches_per_epoch else None
+        following = following or (self.epoch, self.position)
+        self._ahead = (following, self._copies.start(self._host_batch(*following)))
+        return batch
 
-    def _permutation(self) -> torch.Tensor:
-        if self._perm is None or self._perm[0] != self.epoch:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
-            self._perm = (self.epoch, torch.randperm(self.num_windows, generator=gen))
+    def _host_batch(self, epoch: int, position: int) -> Batch:
+        """Batch ``position`` of ``epoch`` for this rank, in host memory."""
+        global_batch = self.batch_size * self.dp_size
+        start = position * global_batch + self.dp_rank * self.batch_size
+        windows = self._permutation(epoch)[start : start + self.batch_size].numpy()
+        return _windows_batch(self.dataset, windows, self.seq_len, self.device)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = (epoch, torch.randperm(self.num_windows, generator=gen))
         return self._perm[1]
 
     def state_dict(self) -> dict[str, int]:
@@ -164,16 +199,21 @@ class BatchLoader:
 
 
 def val_batches(
-    dataset: TokenDataset, batch_size: int, seq_len: int, max_batches: int
+    dataset: TokenDataset,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int,
+    device: torch.device | None = None,
 ) -> list[Batch]:
     """The first ``max_batches`` batches of windows in order (the last may be smaller).
 
-    Fixed rather than shuffled so validation loss is comparable across steps and runs.
+    Fixed rather than shuffled so validation loss is comparable across steps and runs. Kept
+    on the host (pinned for a GPU ``device``, so evaluation's copies never wait).
     """
     if batch_size < 1 or seq_len < 1:
         raise DataError(f"batch_size ({batch_size}) and seq_len ({seq_len}) must be >= 1")
     count = min(num_windows(dataset, seq_len), max_batches * batch_size)
     return [
-        _windows_batch(dataset, np.arange(start, min(start + batch_size, count)), seq_len)
+        _windows_batch(dataset, np.arange(start, min(start + batch_size, count)), seq_len, device)
         for start in range(0, count, batch_size)
     ]

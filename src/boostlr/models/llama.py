@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from boostlr.config import ModelConfig
 from boostlr.models.init import initial_value
@@ -24,6 +25,17 @@ from boostlr.models.params import local
 from boostlr.models.shapes import ATTN_LINEARS, MLP_LINEARS, linear_shapes  # noqa: F401
 
 Latents = dict[str, torch.Tensor]
+# SDPA's ``enable_gqa`` (torch 2.5+): grouped K/V heads without ``repeat_interleave``.
+SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
+# Of CUDA's fused kernels only flash attention takes ``enable_gqa``, and only in half
+# precision; fp32 would fall back to the unfused math kernel, slower than memory-efficient
+# attention on copied K/V. (CPU's flash kernel takes it in both; fp32 keeps the copies.)
+_GQA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gqa_in_kernel(q: torch.Tensor) -> bool:
+    """Whether SDPA reads grouped K/V heads itself for queries like ``q`` (no copies)."""
+    return SDPA_GQA and q.dtype in _GQA_DTYPES
 
 
 def make_linear(
@@ -85,10 +97,13 @@ def causal_attention(
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if n_rep == 1:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif gqa_in_kernel(q):  # each query group reads its K/V head in place: no copies
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(1, 2).reshape(b, s, -1)
 
 

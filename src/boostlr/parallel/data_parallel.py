@@ -28,6 +28,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 
 from boostlr.parallel.collectives import GroupComm
+from boostlr.parallel.device import fsdp_in_place_collectives
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 
@@ -277,7 +278,7 @@ def in_place_collectives(group: dist.ProcessGroup | None) -> bool:
     head) that is the largest transient of a rank. NCCL writes in place, so FSDP's own calls
     stay. Decided once per run, when the units are built.
     """
-    return dist.get_backend(group) == "gloo"
+    return fsdp_in_place_collectives(dist.get_backend(group))
 
 
 def set_fsdp_collectives(modules: list, comm: GroupComm, in_place: bool) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
 from boostlr.parallel.build import build_stages
+from boostlr.parallel.device import to_device
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -83,8 +84,10 @@ class ParallelModel:
         """Loss of one ``batch_size`` micro-batch; gradients (scaled by 1/grad_accum) added.
 
         Returns this rank's detached mean loss (0 on a pipeline rank without the last stage).
+        The training loader hands over batches already on the device; anything else is
+        copied the device module's way (pinned and non-blocking on a GPU).
         """
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         if self.pipeline is not None:
             return self.pipeline.step(inputs, targets)
         loss = self.stages[0](inputs, targets)
@@ -144,7 +147,7 @@ class ParallelModel:
         # [sum of window losses, windows], on the device: one host read at the end.
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
             with autocast:
                 if self.pipeline is not None:
                     loss = evaluate_pipeline(self.stages, self.cfg, self.comms.pp, inputs, targets)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -19,26 +19,133 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from boostlr.errors import BoostlrError
+from boostlr.parallel.device import bind_rank_device, process_group_kwargs, runs_on_host
 
 
 def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+# MASTER_PORT under SLURM: SLURM_PORT_BASE + SLURM_JOB_ID % SLURM_PORT_SPAN, i.e. 15000-31999:
+# unprivileged, below Linux's ephemeral range (32768+) where outgoing connections take
+# their ports, and different for jobs that share a node unless their ids are 17000 apart.
+SLURM_PORT_BASE = 15000
+SLURM_PORT_SPAN = 17000
+_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
 def adopt_slurm_env() -> None:
     """Map srun's variables to torch's when torchrun is not in the middle.
 
     Call before :func:`under_launcher`, so ``srun -n N boostlr train ...`` joins the N tasks
-    instead of each launching its own ranks. The rendezvous defaults to the node srun was
-    started from, port 29500; set MASTER_ADDR / MASTER_PORT to override.
+    instead of each launching its own ranks. The rendezvous defaults to the first host of
+    the step's (else the job's) node list, where srun puts task 0, on a port derived from
+    the job id (:func:`slurm_port`); MASTER_ADDR / MASTER_PORT in the environment win.
     """
     if under_launcher() or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = slurm_master_addr(os.environ)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(slurm_port(os.environ.get("SLURM_JOB_ID")))
+
+
+def slurm_master_addr(env: Mapping[str, str]) -> str:
+    """The first host of the node list srun gives (expanded here: no ``scontrol``)."""
+    for var in _NODELIST_VARS:
+        if env.get(var):
+            try:
+                return expand_nodelist(env[var])[0]
+            except ValueError as exc:
+                raise BoostlrError(
+                    f"cannot read {var}={env[var]!r} ({exc}): set MASTER_ADDR to the host of rank 0"
+                ) from None
+    return "127.0.0.1"
+
+
+def slurm_port(job_id: str | None) -> int:
+    """A rendezvous port for a SLURM job: stable for the job, spread over jobs (29500
+    without a job id, torch's default)."""
+    digits = "".join(c for c in job_id or "" if c.isdigit())
+    if not digits:
+        return 29500
+    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list as host names, in order.
+
+    ``nid[001234-001237,001240]``, ``a[1-3],b5``, ``gpu-[01-04]-ib``, ``n[1,3-5]x[2-3]``:
+    hosts are separated by commas outside brackets; each ``[...]`` holds numbers and
+    ranges (zero padding kept, as the low end of the range writes it), and several groups
+    in one name expand to every combination, the leftmost group slowest.
+    """
+    hosts: list[str] = []
+    for name in _split_top_level(nodelist):
+        hosts += _expand_name(name)
+    if not hosts:
+        raise ValueError("no host in the list")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for c in text:
+        if c == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError("nested '['")
+        elif c == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("']' without '['")
+        if c == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    if depth:
+        raise ValueError("'[' without ']'")
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_name(name: str) -> list[str]:
+    """One host expression (literal text and bracket groups) as its host names."""
+    out = [""]
+    rest = name
+    while rest:
+        if rest[0] == "[":
+            end = rest.index("]")
+            choices = _expand_group(rest[1:end])
+            out = [prefix + choice for prefix in out for choice in choices]
+            rest = rest[end + 1 :]
+        else:
+            end = rest.find("[")
+            end = len(rest) if end < 0 else end
+            out = [prefix + rest[:end] for prefix in out]
+            rest = rest[end:]
+    return out
+
+
+def _expand_group(group: str) -> list[str]:
+    """``001234-001237,001240`` -> the numbers as written (width of each low end kept)."""
+    values = []
+    for item in group.split(","):
+        low, sep, high = item.strip().partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise ValueError(f"bad range {item!r}")
+        if not sep:
+            values.append(low)
+            continue
+        if int(high) < int(low):
+            raise ValueError(f"range {item!r} runs backwards")
+        width = len(low)
+        values += [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+    return values
 
 
 def launch(
@@ -111,8 +218,12 @@ def pin_cpu_cores() -> list[int] | None:
 
 def init_distributed(
     device: torch.device, expected_world: int, timeout_s: float = 600, pin_cores: bool = False
-) -> None:
-    """Join the default process group (gloo on CPU, NCCL on CUDA)."""
+) -> torch.device:
+    """Join the default process group (gloo on CPU, NCCL on CUDA); this rank's device.
+
+    On CUDA the rank drives ``cuda:(LOCAL_RANK % visible GPUs)`` and the group is created
+    bound to it (:mod:`boostlr.parallel.device`).
+    """
     adopt_slurm_env()
     world = int(os.environ["WORLD_SIZE"])
     if world != expected_world:
@@ -121,20 +232,20 @@ def init_distributed(
             f"(parallel.pp x dp x tp): start {expected_world} ranks, or change the degrees "
             "(--parallel.dp -1 fills the world)"
         )
-    if pin_cores and device.type == "cpu":
+    if pin_cores and runs_on_host(device):
         pin_cpu_cores()
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device = bind_rank_device(device)
     timeout = timedelta(seconds=timeout_s)
     store = _attempt_store(world, timeout)
+    kwargs = process_group_kwargs(device)
     if store is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(timeout=timeout, **kwargs)
     else:
         rank = int(os.environ["RANK"])
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    return device
 
 
 def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:

@@ -7,13 +7,14 @@ on lives here too, so a step's communication time and bytes come from one place.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
+
+from boostlr.parallel.device import WallTimer, region_timer
 
 Phase = Literal["fwd", "bwd", "recompute"]
 OpName = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
@@ -46,8 +47,7 @@ class CommLedger:
 
     records: list[CommRecord] = field(default_factory=list)
     _recompute_depth: int = field(default=0, init=False, repr=False)
-    _seconds: dict[str, float] = field(default_factory=dict, init=False, repr=False)
-    _events: list[tuple[str, Any, Any]] = field(default_factory=list, init=False, repr=False)
+    _timer: WallTimer | None = field(default=None, init=False, repr=False)
 
     def record(
         self, op: str, group: str, phase: str, bytes: int, elements: int, tag: str = ""
@@ -62,46 +62,26 @@ class CommLedger:
 
     def reset(self) -> None:
         """Start a new step's records. The time blocked keeps adding up until
-        :meth:`take_seconds` (on CUDA its events are read only then: a host sync)."""
+        :meth:`take_seconds` (on a GPU the last regions are read only then: a host sync)."""
         self.records.clear()
 
     @contextmanager
     def timed(self, group: str, device: torch.device) -> Iterator[None]:
         """Measure the time this rank is blocked by the collective (or wait) inside.
 
-        CPU backends (gloo) block the host for the whole call: wall time. On CUDA the host
+        CPU backends (gloo) block the host for the whole call: wall time. On a GPU the host
         only enqueues; events on the current stream measure how long the stream stalls on
-        the communication (a synchronous NCCL call makes it wait on the NCCL stream), read
-        back by :meth:`seconds` once the step has been synchronised.
+        the communication (a synchronous NCCL call makes it wait on the NCCL stream). The
+        device module chooses (:func:`~boostlr.parallel.device.region_timer`).
         """
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._events.append((group, start, end))
-            return
-        started = time.perf_counter()
-        try:
+        if self._timer is None:
+            self._timer = region_timer(device)
+        with self._timer.timed(group):
             yield
-        finally:
-            self._add_seconds(group, time.perf_counter() - started)
-
-    def _add_seconds(self, group: str, seconds: float) -> None:
-        self._seconds[group] = self._seconds.get(group, 0.0) + seconds
 
     def take_seconds(self) -> dict[str, float]:
         """Seconds blocked in collectives since the last call, per group name; starts anew."""
-        for group, start, end in self._events:
-            end.synchronize()
-            self._add_seconds(group, start.elapsed_time(end) / 1e3)
-        self._events.clear()
-        seconds = dict(self._seconds)
-        self._seconds.clear()
-        return seconds
+        return {} if self._timer is None else self._timer.take()
 
     @property
     def forward_phase(self) -> Phase:

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from boostlr.config import ParallelConfig
 from boostlr.parallel.collectives import CommLedger, GroupComm
+from boostlr.parallel.device import HOST_BACKEND, backend_for, group_options
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -51,22 +52,12 @@ def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
     whatever the default group has (docs/design.md §5).
     """
     timeout = timedelta(seconds=p.timeout_s)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    override = {name: (backend, backend_options(backend, timeout)) for name in MESH_DIMS}
+    backend = backend_for(device)
+    override = {name: (backend, group_options(backend, timeout)) for name in MESH_DIMS}
     mesh = init_device_mesh(
         device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS, backend_override=override
     )
     ledger = CommLedger()
     comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
-    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    ckpt_group = dist.new_group(backend=HOST_BACKEND, timeout=timeout)
     return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group)
-
-
-def backend_options(backend: str, timeout: timedelta) -> dist.ProcessGroup.Options:
-    """Backend options carrying ``timeout`` (the only way to give a mesh dim a timeout)."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    return options

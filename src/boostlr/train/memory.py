@@ -27,6 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from boostlr.parallel.device import (
+    allocated_bytes,
+    peak_allocated_bytes,
+    reset_peak_allocated,
+    runs_on_host,
+)
 from boostlr.train.host_alloc import allocated_bytes_reader
 from boostlr.train.perf import peak_memory_mb
 
@@ -42,7 +48,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     total = 0
     for t in tensors:
         local = _local(t)
-        if local.device.type == "meta":
+        if local.is_meta:
             continue
         storage = local.untyped_storage()
         key = storage.data_ptr()
@@ -102,15 +108,15 @@ def reset_peak_rss() -> bool:
 
 
 def device_now_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / MB
-    return current_rss_mb()
+    """The device allocator's bytes in use; a CPU's resident set."""
+    allocated = allocated_bytes(device)
+    return current_rss_mb() if allocated is None else allocated / MB
 
 
 def device_peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / MB
-    return peak_rss_mb()
+    """The device allocator's high-water mark; a CPU's high-water resident set."""
+    peak = peak_allocated_bytes(device)
+    return peak_rss_mb() if peak is None else peak / MB
 
 
 class AllocatedPeak:
@@ -168,7 +174,7 @@ class MemoryPhases:
         self.rows: dict[str, dict[str, float]] = {}
         self.held: dict[str, float] = {}
         self.runtime_mb = device_now_mb(device)
-        reader = allocated_bytes_reader() if path is not None and device.type == "cpu" else None
+        reader = allocated_bytes_reader() if path is not None and runs_on_host(device) else None
         self.allocated = AllocatedPeak(*reader) if reader is not None else None
         self.mark("start-up")
 
@@ -204,9 +210,7 @@ class MemoryPhases:
         tmp.write_text(json.dumps(report))
         tmp.replace(self.path)
         # The next phase's peak starts from what this one left.
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        if not reset_peak_allocated(self.device):
             reset_peak_rss()
 
     def close(self) -> None:

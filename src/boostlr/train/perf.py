@@ -15,6 +15,7 @@ import torch
 
 from boostlr.analysis.hardware import load_profile, user_dir
 from boostlr.errors import ConfigError
+from boostlr.parallel.device import accelerator_name, peak_allocated_bytes, runs_on_host
 
 # Substrings of ``torch.cuda.get_device_name()`` -> shipped profile (first match wins).
 GPU_PROFILES: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -39,8 +40,9 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
 
     fp32 on NVIDIA GPUs is the non-tensor-core peak (TF32 off, torch's default for matmuls).
     """
-    if device.type == "cuda":
-        name = gpu_profile_name(torch.cuda.get_device_name(device))
+    accelerator = accelerator_name(device)
+    if accelerator is not None:
+        name = gpu_profile_name(accelerator)
     else:
         name = "local" if (user_dir() / "local.toml").is_file() else None
     if name is None:
@@ -50,7 +52,7 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     except ConfigError:
         return None
     peak = profile.flops(dtype)
-    if device.type == "cpu":
+    if runs_on_host(device):
         # calibrate measures with ``threads`` torch threads; this process may use more, and a
         # one-thread peak would then overstate MFU.
         measured_threads = int(profile.extra.get("threads", 1) or 1)
@@ -60,7 +62,8 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
 
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA: the allocator's high-water mark; CPU: the process's high-water RSS (MiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = peak_allocated_bytes(device)
+    if peak is not None:
+        return peak / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes vs KiB

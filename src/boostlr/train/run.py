@@ -34,6 +34,7 @@ from boostlr.errors import (
 )
 from boostlr.fsutil import write_text_atomic
 from boostlr.parallel.compile import check_toolchain
+from boostlr.parallel.device import check_local_gpus, resolve_device, runs_on_host
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
 from boostlr.train.checkpoint import Checkpoint, CheckpointWriter, read_checkpoint
@@ -56,14 +57,6 @@ class TrainResult:
     step: int
     loss: float
     val_loss: float | None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("parallel.device cuda requested but no CUDA GPU is visible: use cpu")
-    return torch.device(name)
 
 
 def open_datasets(cfg: RunConfig) -> tuple[TokenDataset, TokenDataset]:
@@ -99,6 +92,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     adopt_slurm_env()
     if under_launcher():  # torchrun/srun started the ranks: join them
         return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
+    check_local_gpus(device, cfg.parallel.world_size)
     ckpt = prepare_run_dir(cfg, run_dir, resume, datasets[0])
     if cfg.parallel.world_size == 1 and cfg.parallel.max_restarts == 0:
         return _train_rank(cfg, run_dir, ckpt, console, device, datasets)
@@ -169,7 +163,7 @@ def _rank_main(
     distributed = cfg.parallel.world_size > 1 or under_launcher()
     if distributed:
         p = cfg.parallel
-        init_distributed(device, p.world_size, p.timeout_s, p.pin_cores)
+        device = init_distributed(device, p.world_size, p.timeout_s, p.pin_cores)
     rank = dist.get_rank() if distributed else 0
     try:
         restarted = restart_attempt() > 0
@@ -245,7 +239,7 @@ def _train_rank(
     """Build this rank's part of the model, restore a checkpoint, run the loop."""
     torch.manual_seed(cfg.train.seed)
     allocator = "device"
-    if device.type == "cpu":
+    if runs_on_host(device):
         torch.use_deterministic_algorithms(True, warn_only=True)
         allocator = cache_host_memory() if cfg.train.cpu_alloc_cache else "glibc"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -255,12 +249,12 @@ def _train_rank(
         train_ds, val_ds = datasets or open_datasets(cfg)
         dp, t, seq = model.comms.dp, cfg.train, cfg.data.seq_len
         loader = BatchLoader(
-            train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, grad_accum=t.grad_accum
+            train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, t.grad_accum, device
         )
         # The validation set is layout-free: the first val_batches x global batch windows of the
         # split, in batch_size batches dealt round-robin to the data-parallel ranks.
         per_global = t.grad_accum * dp.size
-        val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global)
+        val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global, device)
         # Every data-parallel rank evaluates the same number of batches: FSDP's gathers are
         # collectives, so one extra batch on one rank would wait for the others forever.
         usable = len(val_data) // dp.size * dp.size

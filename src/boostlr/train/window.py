@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from boostlr.errors import TrainingDiverged
+from boostlr.parallel.device import synchronize
 from boostlr.parallel.ledger import CommLedger
 from boostlr.train.checkpoint import newest_checkpoint
 from boostlr.train.state import RunState
@@ -61,7 +62,6 @@ class Window:
         return loss, norm
 
     def seconds_per_step(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
         elapsed = time.perf_counter() - self.started - self.excluded
         return elapsed / max(1, self.steps)
