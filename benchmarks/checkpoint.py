@@ -26,7 +26,7 @@ import torch.distributed as dist
 from boostlr.config import build_config, from_dict, to_dict
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import init_distributed, launch
-from boostlr.train.checkpoint import (
+from boostlr.rundir.checkpoint import (
     Checkpoint,
     CheckpointWriter,
     load_sharded_state,

@@ -109,3 +109,23 @@ def test_the_cost_model_imports_nothing_from_the_engine() -> None:
                 todo.append(dep)
     engine = sorted(dep for dep in reached if dep.startswith("boostlr.parallel"))
     assert not engine, engine
+
+
+def test_the_run_directory_readers_import_nothing_from_the_trainer() -> None:
+    """``export``, ``eval`` and ``ckpt info`` read run directories through ``boostlr.rundir``
+    (the format's one home): a change to the trainer cannot break them, at any remove."""
+    graph = import_graph()
+    readers = {"boostlr.export", "boostlr.evaluate"}
+    readers |= {name for name in graph if name.startswith("boostlr.rundir")}
+    assert {"boostlr.rundir.checkpoint", "boostlr.rundir.info"} <= readers
+    for reader in sorted(readers):
+        reached, todo = set(), [reader]
+        while todo:
+            for dep in graph.get(todo.pop(), ()):
+                if dep not in reached:
+                    reached.add(dep)
+                    todo.append(dep)
+        trainer = sorted(
+            d for d in reached if d == "boostlr.train" or d.startswith("boostlr.train.")
+        )
+        assert not trainer, f"{reader} imports {trainer}"

@@ -12,9 +12,9 @@ import torch
 from boostlr.config import RunConfig, build_config
 from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
 from boostlr.parallel import engine
-from boostlr.train import checkpoint as ckpt_module
+from boostlr.rundir import checkpoint as ckpt_module
+from boostlr.rundir.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
 from boostlr.train import run as trainer
-from boostlr.train.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
 
 
 def tiny_run_config(data: Path, **overrides: object) -> RunConfig:

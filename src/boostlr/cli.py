@@ -222,7 +222,8 @@ _REEXEC_FLAG = "BOOSTLR_ALLOCATOR_PRELOADED"
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool) -> None:
     from boostlr.config import build_config, parse_overrides
-    from boostlr.train.run import CONFIG_FILE, train
+    from boostlr.rundir.layout import CONFIG_FILE
+    from boostlr.train.run import train
 
     pairs = parse_overrides(overrides)
     if args.resume:
@@ -262,7 +263,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
 def _cmd_ckpt(args: argparse.Namespace) -> None:
     import json
 
-    from boostlr.train.ckpt_info import format_info, inspect_checkpoint
+    from boostlr.rundir.info import format_info, inspect_checkpoint
 
     info = inspect_checkpoint(Path(args.path), progress=True)
     print(json.dumps(info, indent=2) if args.json else format_info(info))

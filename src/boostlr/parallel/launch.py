@@ -18,7 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from boostlr.errors import BoostlrError
+from boostlr.errors import BoostlrError, ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``parallel.device`` as a torch device, checked before any rank starts."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device cuda requested but no CUDA GPU is visible: use cpu")
+    return torch.device(name)
 
 
 def under_launcher() -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
+from boostlr.config import RunConfig, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.errors import (
     EXIT_BAD_INPUT,
@@ -32,21 +31,27 @@ from boostlr.errors import (
     DataError,
     TrainingDiverged,
 )
-from boostlr.fsutil import write_text_atomic
 from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
-from boostlr.train.checkpoint import Checkpoint, CheckpointWriter, read_checkpoint
+from boostlr.parallel.launch import (
+    adopt_slurm_env,
+    init_distributed,
+    launch,
+    resolve_device,
+    under_launcher,
+)
+from boostlr.rundir import layout
+from boostlr.rundir.checkpoint import CheckpointWriter, read_checkpoint
+from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
+from boostlr.rundir.resume import prepare_run_dir
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
-from boostlr.train.loop import METRICS_FILE, run_steps
+from boostlr.train.loop import run_steps
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.metrics import truncate_after
 from boostlr.train.optim import build_optimizer, init_optimizer_state
-from boostlr.train.resume import check_resume_config, pick_checkpoint
 from boostlr.train.sinks import require_packages
-from boostlr.train.state import TOKENIZER_FILE, RunState, restore
+from boostlr.train.state import RunState, restore
 
-CONFIG_FILE = "config.toml"
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -56,14 +61,6 @@ class TrainResult:
     step: int
     loss: float
     val_loss: float | None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("parallel.device cuda requested but no CUDA GPU is visible: use cpu")
-    return torch.device(name)
 
 
 def open_datasets(cfg: RunConfig) -> tuple[TokenDataset, TokenDataset]:
@@ -113,31 +110,6 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
         env=allocator_env(cfg.train.cpu_alloc_cache, device.type),
     )
     return results[0]
-
-
-def prepare_run_dir(
-    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset, required: bool = True
-) -> str | None:
-    """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
-
-    A new run refuses a directory that holds one; ``--resume`` (or a restart) picks and
-    verifies the newest complete checkpoint and checks the config is compatible with it.
-    """
-    ckpt: Checkpoint | None = None
-    if resume:
-        ckpt = pick_checkpoint(run_dir, required)
-        if ckpt is not None:
-            check_resume_config(ckpt, cfg)
-    elif (run_dir / CONFIG_FILE).exists():
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run: pass --resume to continue it "
-            "or choose a new --run-dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / TOKENIZER_FILE).exists():
-        shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
-    write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
-    return str(ckpt.path) if ckpt else None
 
 
 def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
@@ -230,8 +202,9 @@ def memory_phase_file(run_dir: Path, rank: int, enabled: bool) -> Path | None:
     """``<run>/memory/rank<N>.json`` when ``train.memory_phases`` is on."""
     if not enabled:
         return None
-    (run_dir / "memory").mkdir(parents=True, exist_ok=True)
-    return run_dir / "memory" / f"rank{rank}.json"
+    path = layout.memory_phase_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _train_rank(
@@ -277,7 +250,7 @@ def _train_rank(
         phases.mark("optimizer state")
         release_freed_pages()  # the build's transients; the allocator keeps the step's pages
         writer = CheckpointWriter(
-            run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
+            checkpoints_dir(run_dir), rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
         )
         state = RunState(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases

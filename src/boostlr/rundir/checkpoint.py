@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import time
 import warnings
@@ -37,18 +36,18 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from boostlr.errors import CheckpointError
 from boostlr.faults import crash_point
 from boostlr.fsutil import fsync_dir, fsync_file, sha256_file
+from boostlr.rundir.layout import (
+    CHECKPOINTS_DIR,
+    META_FILE,
+    STEP_DIR,
+    TEMP_PREFIX,
+    TRAINER_FILE,
+    checkpoints_dir,
+    rng_file,
+    step_dir_name,
+)
 
 FORMAT_VERSION = 2
-META_FILE = "meta.json"
-TRAINER_FILE = "trainer.json"
-DCP_METADATA = ".metadata"
-MODEL_FILE = "model.safetensors"  # an export's weights (checkpoints are DCP directories)
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TEMP_PREFIX = ".tmp-step_"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.safetensors"
 
 
 @dataclass
@@ -95,7 +94,7 @@ class CheckpointWriter:
         """Save ``step``; returns the seconds the caller was blocked."""
         started = time.perf_counter()
         self.wait()  # a previous save must be published before the next one starts
-        final, tmp = self.root / f"step_{step}", self.root / f"{_TEMP_PREFIX}{step}"
+        final, tmp = self.root / step_dir_name(step), self.root / f"{TEMP_PREFIX}{step}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             _remove_stale_temp_dirs(self.root)
@@ -254,7 +253,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Checkpoint]:
     if not ckpt_root.is_dir():
         return found
     for child in ckpt_root.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = STEP_DIR.match(child.name)
         if match and child.is_dir():
             meta = _read_valid_meta(child, verify_hashes=False)
             if meta is not None:
@@ -319,10 +318,10 @@ def set_aside(paths: list[Path]) -> list[Path]:
 def open_checkpoint(path: Path) -> Checkpoint:
     """A checkpoint dir, or a run dir (its newest valid checkpoint); hashes verified."""
     path = Path(path)
-    if (path / "checkpoints").is_dir():
-        newest = newest_checkpoint(path / "checkpoints")
+    if checkpoints_dir(path).is_dir():
+        newest = newest_checkpoint(checkpoints_dir(path))
         if newest is None:
-            raise CheckpointError(f"{path} has no complete checkpoint under checkpoints/")
+            raise CheckpointError(f"{path} has no complete checkpoint under {CHECKPOINTS_DIR}/")
         path = newest.path
     if not (path / META_FILE).is_file():
         raise CheckpointError(
@@ -473,5 +472,5 @@ def _read_valid_meta(path: Path, verify_hashes: bool) -> dict[str, Any] | None:
 
 
 def _remove_stale_temp_dirs(ckpt_root: Path) -> None:
-    for child in ckpt_root.glob(f"{_TEMP_PREFIX}*"):
+    for child in ckpt_root.glob(f"{TEMP_PREFIX}*"):
         shutil.rmtree(child, ignore_errors=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from boostlr.errors import CheckpointError
-from boostlr.train.checkpoint import META_FILE
-from boostlr.train.ckpt_tensors import ModelTensors
+from boostlr.rundir.layout import META_FILE, STEP_DIR, checkpoints_dir
+from boostlr.rundir.tensors import ModelTensors
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _BLOCK = 1 << 20
 _EARLIER = "use an earlier checkpoint"
 
@@ -40,11 +38,11 @@ def find_checkpoint_dir(path: Path) -> Path:
         raise CheckpointError(f"{path} does not exist: pass a checkpoint or run directory")
     if (path / META_FILE).is_file():
         return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    root = checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
     steps = []
     if root.is_dir():
         for child in root.iterdir():
-            match = _STEP_DIR.match(child.name)
+            match = STEP_DIR.match(child.name)
             if match and (child / META_FILE).is_file():
                 steps.append((int(match.group(1)), child))
     if not steps:

@@ -1,4 +1,5 @@
-"""Which checkpoint a run continues from, and what may change when it does.
+"""Which checkpoint a run continues from, what may change when it does, and the run
+directory's first writing (:func:`prepare_run_dir`).
 
 The config saved in the checkpoint is authoritative for everything that decides the data
 order or the optimizer's arithmetic; changing one of those on ``--resume`` would silently
@@ -8,14 +9,18 @@ of the global batch into micro-batches, logging cadence and ``train.steps`` may 
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from boostlr.config import RunConfig, to_dict
-from boostlr.errors import CheckpointError
-from boostlr.train.checkpoint import Checkpoint, newest_verified_checkpoint, set_aside
+from boostlr.config import RunConfig, dump_toml, to_dict
+from boostlr.data import TokenDataset
+from boostlr.errors import CheckpointError, ConfigError
+from boostlr.fsutil import write_text_atomic
+from boostlr.rundir.checkpoint import Checkpoint, newest_verified_checkpoint, set_aside
+from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 
 Saved = dict[str, dict[str, Any]]
 
@@ -87,7 +92,7 @@ def pick_checkpoint(run_dir: Path, required: bool) -> Checkpoint | None:
 
     Hashes every file once: call it on one process (the launcher, or rank 0) only.
     """
-    ckpt, corrupted = newest_verified_checkpoint(run_dir / "checkpoints")
+    ckpt, corrupted = newest_verified_checkpoint(checkpoints_dir(run_dir))
     if corrupted:
         for path in set_aside(corrupted):
             print(f"boostlr: warning: corrupted checkpoint set aside as {path}", file=sys.stderr)
@@ -97,3 +102,28 @@ def pick_checkpoint(run_dir: Path, required: bool) -> Checkpoint | None:
             "--resume (or point --run-dir at the run to continue)"
         )
     return ckpt
+
+
+def prepare_run_dir(
+    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset, required: bool = True
+) -> str | None:
+    """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
+
+    A new run refuses a directory that holds one; ``--resume`` (or a restart) picks and
+    verifies the newest complete checkpoint and checks the config is compatible with it.
+    """
+    ckpt: Checkpoint | None = None
+    if resume:
+        ckpt = pick_checkpoint(run_dir, required)
+        if ckpt is not None:
+            check_resume_config(ckpt, cfg)
+    elif (run_dir / CONFIG_FILE).exists():
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run: pass --resume to continue it "
+            "or choose a new --run-dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / TOKENIZER_FILE).exists():
+        shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
+    write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
+    return str(ckpt.path) if ckpt else None

@@ -1,6 +1,6 @@
 """A checkpoint's model tensors, listed from metadata and read one at a time.
 
-:func:`~boostlr.train.checkpoint.load_model_state` builds the whole model in memory, which is
+:func:`~boostlr.rundir.checkpoint.load_model_state` builds the whole model in memory, which is
 what resuming and generation need. Export and inspection only need one tensor at a time (or
 none: shapes and dtypes), so they use :class:`ModelTensors`, whose memory is that of the
 tensor being read. A checkpoint is a ``torch.distributed.checkpoint`` directory: the model
@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from boostlr.errors import CheckpointError
+from boostlr.rundir.checkpoint import SafeFileSystemReader, dcp_tensor_entries
 from boostlr.stream_safetensors import TensorInfo
-from boostlr.train.checkpoint import SafeFileSystemReader, dcp_tensor_entries
 
 DCP_MODEL_PREFIX = "model."
 
