@@ -2,7 +2,7 @@
 
 The result is what ``boostlr train`` would have written at step 0: ``config.toml``,
 ``tokenizer.json`` and one checkpoint ``checkpoints/step_0/`` (written by
-:class:`~boostlr.rundir.checkpoint.CheckpointWriter`, with zero AdamW moments for every
+:class:`~boostlr.rundir.writer.CheckpointWriter`, with zero AdamW moments for every
 parameter and a fresh data position), so ``train --resume``, ``export``, ``eval`` and
 ``generate`` take it as they take any run.
 
@@ -41,9 +41,9 @@ from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.export import LM_HEAD, from_hf_state_dict
 from boostlr.fsutil import replace_dir
 from boostlr.models.llama import ATTN_LINEARS, LlamaModel
-from boostlr.rundir.checkpoint import CheckpointWriter
 from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from boostlr.rundir.payload import checkpoint_payload
+from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
 IMPORT_FILE = "import.json"

@@ -17,10 +17,11 @@ from typing import Any
 
 from boostlr.config import RunConfig, dump_toml, to_dict
 from boostlr.data import TokenDataset
-from boostlr.errors import CheckpointError, ConfigError
+from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.fsutil import write_text_atomic
-from boostlr.rundir.checkpoint import Checkpoint, newest_verified_checkpoint, set_aside
+from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, set_aside
 from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
+from boostlr.rundir.verify import newest_verified, verification_group
 
 Saved = dict[str, dict[str, Any]]
 
@@ -88,14 +89,19 @@ def check_resume_config(ckpt: Checkpoint, cfg: RunConfig) -> None:
 
 
 def pick_checkpoint(run_dir: Path, required: bool) -> Checkpoint | None:
-    """The newest checkpoint whose hashes verify; newer corrupted ones are set aside.
+    """One process: the newest checkpoint whose hashes verify; newer corrupted ones are set
+    aside. Inside a job's ranks :func:`prepare_run_dir` verifies it with every rank."""
+    candidates = list_checkpoints(checkpoints_dir(run_dir))
+    with verification_group(candidates, 0, 1, 0.0) as group:
+        ckpt, corrupted = newest_verified(candidates, group)
+    return _keep(run_dir, ckpt, corrupted, required)
 
-    Hashes every file once: call it on one process (the launcher, or rank 0) only.
-    """
-    ckpt, corrupted = newest_verified_checkpoint(checkpoints_dir(run_dir))
-    if corrupted:
-        for path in set_aside(corrupted):
-            print(f"boostlr: warning: corrupted checkpoint set aside as {path}", file=sys.stderr)
+
+def _keep(
+    run_dir: Path, ckpt: Checkpoint | None, corrupted: list[Path], required: bool
+) -> Checkpoint | None:
+    for path in set_aside(corrupted):
+        print(f"boostlr: warning: corrupted checkpoint set aside as {path}", file=sys.stderr)
     if ckpt is None and required:
         raise CheckpointError(
             f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
@@ -105,16 +111,51 @@ def pick_checkpoint(run_dir: Path, required: bool) -> Checkpoint | None:
 
 
 def prepare_run_dir(
-    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset, required: bool = True
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    dataset: TokenDataset,
+    required: bool = True,
+    rank: int = 0,
+    world: int = 1,
 ) -> str | None:
     """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
 
     A new run refuses a directory that holds one; ``--resume`` (or a restart) picks and
     verifies the newest complete checkpoint and checks the config is compatible with it.
+    With ``world > 1`` every rank of the job calls it: the ranks hash equal shares of the
+    checkpoint and wait for each other only on a gloo group sized to that work
+    (:mod:`boostlr.rundir.verify`); rank 0 alone writes, and every rank raises its error.
     """
-    ckpt: Checkpoint | None = None
+    candidates = list_checkpoints(checkpoints_dir(run_dir)) if resume else []
+    with verification_group(candidates, rank, world, cfg.parallel.timeout_s) as group:
+        ckpt, corrupted = newest_verified(candidates, group) if resume else (None, [])
+        error: BoostlrError | None = None
+        if rank == 0:
+            try:
+                ckpt = _write_run_dir(cfg, run_dir, resume, dataset, required, ckpt, corrupted)
+            except BoostlrError as exc:
+                error = exc
+        first = group.gather(None if error is None else str(error))[0]
+        if error is not None:
+            raise error
+        if first is not None:
+            raise BoostlrError(first)
+    return str(ckpt.path) if ckpt else None
+
+
+def _write_run_dir(
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    dataset: TokenDataset,
+    required: bool,
+    ckpt: Checkpoint | None,
+    corrupted: list[Path],
+) -> Checkpoint | None:
+    """Rank 0's part: set corrupted checkpoints aside, check, write config and tokenizer."""
     if resume:
-        ckpt = pick_checkpoint(run_dir, required)
+        ckpt = _keep(run_dir, ckpt, corrupted, required)
         if ckpt is not None:
             check_resume_config(ckpt, cfg)
     elif (run_dir / CONFIG_FILE).exists():
@@ -126,4 +167,4 @@ def prepare_run_dir(
     if not (run_dir / TOKENIZER_FILE).exists():
         shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
     write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
-    return str(ckpt.path) if ckpt else None
+    return ckpt

@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from boostlr.errors import CheckpointError
-from boostlr.rundir.checkpoint import SafeFileSystemReader, dcp_tensor_entries
+from boostlr.rundir.checkpoint import dcp_tensor_entries
+from boostlr.rundir.dcp_io import SafeFileSystemReader
 from boostlr.stream_safetensors import TensorInfo
 
 DCP_MODEL_PREFIX = "model."

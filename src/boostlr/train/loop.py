@@ -143,12 +143,12 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                     window.check(state, step)
                 paused = time.perf_counter()
                 window.take_comm(model.comms.ledger)
-                blocked = save(state, step)
+                cost = save(state, step)
                 phases.mark("save")
                 model.comms.ledger.take_seconds()  # the save's own time is not the step's
                 window.excluded += time.perf_counter() - paused
                 if metrics is not None:
-                    metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
+                    metrics.write({"step": step, **cost.row(), "async": t.async_ckpt})
             progress.update(step, row)
         finished = True
     finally:

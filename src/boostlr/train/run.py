@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +40,11 @@ from boostlr.parallel.launch import (
     under_launcher,
 )
 from boostlr.rundir import layout
-from boostlr.rundir.checkpoint import CheckpointWriter, read_checkpoint
+from boostlr.rundir.checkpoint import read_checkpoint
 from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
 from boostlr.rundir.resume import prepare_run_dir
+from boostlr.rundir.verify import CollectiveTimeout
+from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import run_steps
 from boostlr.train.memory import MemoryPhases
@@ -130,11 +131,12 @@ def _rank_main(
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
     exit_on_error: bool = False,
 ) -> TrainResult:
-    """Join the process group, find the checkpoint (rank 0, once), train, leave the group.
+    """Join the process group, find the checkpoint (all ranks, once), train, leave the group.
 
-    ``resume`` is given under an external launcher: rank 0 then checks and writes the run
-    directory. After an automatic restart the ranks look for the newest checkpoint
-    themselves. Ranks this process started report their own errors and exit with its code.
+    ``resume`` is given under an external launcher: the ranks then verify the checkpoint
+    together and rank 0 writes the run directory. After an automatic restart the ranks look
+    for the newest checkpoint themselves. Ranks this process started report their own
+    errors and exit with its code; a timed-out collective is one line under any launcher.
     """
     # DTensor logs a performance note for every checkpointed 2-D (dp x tp) shard.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -146,16 +148,17 @@ def _rank_main(
     try:
         restarted = restart_attempt() > 0
         if resume is not None or restarted:
-
-            def find() -> str | None:
-                dataset = datasets[0] if datasets else open_datasets(cfg)[0]
-                again = bool(resume) or restarted
-                return prepare_run_dir(cfg, run_dir, again, dataset, required=not restarted)
-
-            ckpt_path = _on_rank0(find) if distributed else find()
+            dataset = datasets[0] if datasets else open_datasets(cfg)[0]
+            again = bool(resume) or restarted
+            world = dist.get_world_size() if distributed else 1
+            ckpt_path = prepare_run_dir(
+                cfg, run_dir, again, dataset, required=not restarted, rank=rank, world=world
+            )
         return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
     except (BoostlrError, TrainingDiverged, Exception) as exc:
-        if not exit_on_error:
+        # Under torchrun/srun a timed-out collective or a lost peer is one line too, not a
+        # traceback from every rank; other errors go to the CLI (one line or a crash).
+        if not exit_on_error and not (isinstance(exc, CollectiveTimeout) or lost_peer(exc)):
             raise
         _report(rank, exc)
     finally:
@@ -170,6 +173,8 @@ def _report(rank: int, exc: BaseException) -> None:
         sys.exit(EXIT_BAD_INPUT)
     if isinstance(exc, TrainingDiverged):
         print(f"boostlr: rank {rank}: training diverged: {exc}", file=sys.stderr, flush=True)
+    elif isinstance(exc, CollectiveTimeout):
+        print(f"boostlr: rank {rank}: {exc}", file=sys.stderr, flush=True)
     elif lost_peer(exc):  # the launcher names the rank that died and why
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"boostlr: rank {rank}: lost a peer rank ({first})", file=sys.stderr, flush=True)
@@ -182,20 +187,6 @@ def _report(rank: int, exc: BaseException) -> None:
 def lost_peer(exc: BaseException) -> bool:
     """A collective failed because another rank went away (not this rank's own fault)."""
     return isinstance(exc, dist.DistNetworkError) or any(s in str(exc) for s in _PEER_GONE)
-
-
-def _on_rank0(task: Callable[[], str | None]) -> str | None:
-    """Run ``task`` on rank 0 and give every rank its result (or its one-line error)."""
-    answer: list = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            answer = [task(), None]
-        except BoostlrError as exc:
-            answer = [None, str(exc)]
-    dist.broadcast_object_list(answer, src=0)
-    if answer[1] is not None:
-        raise BoostlrError(answer[1])
-    return answer[0]
 
 
 def memory_phase_file(run_dir: Path, rank: int, enabled: bool) -> Path | None:
@@ -250,7 +241,12 @@ def _train_rank(
         phases.mark("optimizer state")
         release_freed_pages()  # the build's transients; the allocator keeps the step's pages
         writer = CheckpointWriter(
-            checkpoints_dir(run_dir), rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
+            checkpoints_dir(run_dir),
+            rank,
+            model.comms.ckpt_group,
+            t.keep_checkpoints,
+            t.async_ckpt,
+            device,
         )
         state = RunState(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases

@@ -15,14 +15,10 @@ import torch
 from boostlr.config import RunConfig, from_dict
 from boostlr.data import BatchLoader
 from boostlr.parallel.engine import ParallelModel
-from boostlr.rundir.checkpoint import (
-    Checkpoint,
-    CheckpointWriter,
-    load_sharded_state,
-    load_trainer_state,
-)
+from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, load_trainer_state
 from boostlr.rundir.layout import TOKENIZER_FILE
 from boostlr.rundir.payload import checkpoint_payload, sharded
+from boostlr.rundir.writer import CheckpointWriter, SaveStats
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.optim import Anchor, lr_at, reanchor
 
@@ -75,8 +71,8 @@ def sharded_state(state: RunState) -> dict:
     return sharded(state.model.named_parameters(), state.optimizer)
 
 
-def save(state: RunState, step: int) -> float:
-    """Every rank writes its own shards (no gather); returns the seconds the loop blocked."""
+def save(state: RunState, step: int) -> SaveStats:
+    """Every rank writes its own shards (no gather); returns what the save cost."""
     payload = checkpoint_payload(
         state.cfg,
         state.model.named_parameters(),
