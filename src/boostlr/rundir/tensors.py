@@ -10,17 +10,15 @@ entries are ``model.<name>`` at their global shape, listed from ``.metadata`` al
 from __future__ import annotations
 
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from boostlr.errors import CheckpointError
+from boostlr.rundir import dcp_io
 from boostlr.rundir.checkpoint import dcp_tensor_entries
-from boostlr.rundir.dcp_io import SafeFileSystemReader
 from boostlr.stream_safetensors import TensorInfo
 
 DCP_MODEL_PREFIX = "model."
@@ -60,9 +58,7 @@ class ModelTensors:
         info = self.infos[name]
         key = DCP_MODEL_PREFIX + name
         out = {key: torch.empty(info.shape, dtype=info.dtype)}
-        with warnings.catch_warnings():  # one process is the intent, not a mistake
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(out, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
+        dcp_io.load(out, self.path, None)
         return out[key]
 
     def _dcp_infos(self) -> dict[str, TensorInfo]:
