@@ -1,11 +1,16 @@
-"""Checkpoint save/load throughput and the time a save blocks training, sync vs async.
+"""Checkpoint save/load throughput and the time a save blocks training, against fsync.
 
 A dense model of a few hundred MB (weights + AdamW moments) is sharded over 2 and 4 CPU
 ranks (tensor parallel, gloo); each rank saves it several times with the trainer's
 :class:`CheckpointWriter`, synchronously and asynchronously, then loads it back with DCP.
-Printed per world size and mode, from one run: MB/s per rank for save and load (this rank's
-shard bytes / wall time) and the seconds the caller was blocked per save. Disk and page
-cache dominate on a VM; the async/sync blocking ratio is the number to read.
+The floor a save is measured against: each rank writes the same bytes it wrote into the
+checkpoint (its shards and RNG file, from memory) to one file and fsyncs it, as many times.
+A save hashes while it writes, so its blocking time should stay close to that floor.
+
+Printed per world size, from one run (rank 0's medians): MB/s per rank for save and load
+(this rank's shard bytes / wall time), the seconds the caller was blocked per save (sync and
+async), the fsync floor, and the sync/fsync and async/sync ratios side by side. Disk and
+page cache dominate on a VM; the ratios are the numbers to read.
 
     python benchmarks/checkpoint.py [--saves 3] [--dim 512] [--layers 8] [--vocab 32000]
 """
@@ -13,7 +18,9 @@ cache dominate on a VM; the async/sync blocking ratio is the number to read.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -26,12 +33,8 @@ import torch.distributed as dist
 from boostlr.config import build_config, from_dict, to_dict
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import init_distributed, launch
-from boostlr.train.checkpoint import (
-    Checkpoint,
-    CheckpointWriter,
-    load_sharded_state,
-    read_checkpoint,
-)
+from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, read_checkpoint
+from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
 MB = 1e6
@@ -79,13 +82,14 @@ def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
             dist.barrier()
             started = time.perf_counter()
             rng = {"cpu": torch.get_rng_state()}
-            blocked.append(writer.save(i + 1, state, {"step": i + 1}, rng, {}, {}))
+            blocked.append(writer.save(i + 1, state, {"step": i + 1}, rng, {}, {}).blocked_s)
             writer.wait()  # time to a published checkpoint (async: training would go on)
             total.append(time.perf_counter() - started)
         writer.close()
         report[f"{mode}_block_s"] = statistics.median(blocked)
         report[f"{mode}_save_mb_s"] = local_bytes / MB / statistics.median(total)
     ckpt: Checkpoint = read_checkpoint(Path(root) / "sync" / f"step_{saves}")
+    report["fsync_s"] = fsync_floor(ckpt.path, rank, Path(root), saves)
     loads = []
     for _ in range(saves):
         dist.barrier()
@@ -95,6 +99,27 @@ def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
     report["load_mb_s"] = local_bytes / MB / statistics.median(loads)
     dist.destroy_process_group()
     return report
+
+
+def fsync_floor(ckpt: Path, rank: int, root: Path, repeats: int) -> float:
+    """Median seconds to write (and fsync) the bytes this rank wrote into ``ckpt``."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    mine = [
+        n for n in meta["files"] if n.startswith(f"__{rank}_") or n == f"rng_rank{rank}.safetensors"
+    ]
+    data = b"".join((ckpt / name).read_bytes() for name in sorted(mine))
+    times = []
+    for i in range(repeats):
+        dist.barrier()
+        target = root / f"fsync_rank{rank}_{i}.bin"
+        started = time.perf_counter()
+        with open(target, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        times.append(time.perf_counter() - started)
+        target.unlink()
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -107,7 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"{'ranks':>5} {'shard MB':>9} {'sync save MB/s':>15} {'async save MB/s':>16} "
-        f"{'load MB/s':>10} {'sync block s':>13} {'async block s':>14} {'async/sync':>10}"
+        f"{'load MB/s':>10} {'sync block s':>13} {'async block s':>14} {'fsync s':>8} "
+        f"{'sync/fsync':>10} {'async/sync':>10}"
     )
     for world in args.worlds:
         root = tempfile.mkdtemp(prefix="boostlr-ckpt-bench-")
@@ -120,7 +146,9 @@ def main() -> None:
         print(
             f"{world:>5} {r['shard_mb']:>9.1f} {r['sync_save_mb_s']:>15.1f} "
             f"{r['async_save_mb_s']:>16.1f} {r['load_mb_s']:>10.1f} {r['sync_block_s']:>13.3f} "
-            f"{r['async_block_s']:>14.3f} {r['async_block_s'] / r['sync_block_s']:>10.2f}"
+            f"{r['async_block_s']:>14.3f} {r['fsync_s']:>8.3f} "
+            f"{r['sync_block_s'] / r['fsync_s']:>10.2f} "
+            f"{r['async_block_s'] / r['sync_block_s']:>10.2f}"
         )
 
 

@@ -38,8 +38,8 @@ from boostlr.config import RunConfig, build_config
 from boostlr.data import prepare_dataset
 from boostlr.models.counting import count_params, flops_per_token
 from boostlr.plots.runs import load_run, plot_runs
+from boostlr.rundir.checkpoint import newest_checkpoint
 from boostlr.train import run as trainer
-from boostlr.train.checkpoint import newest_checkpoint
 
 ARCHS = ("full", "cola", "svd", "lax")
 RESULTS = Path(__file__).with_name("RESULTS.md")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from boostlr.config import build_config
 from boostlr.parallel.engine import ParallelModel
-from boostlr.train.checkpoint import CheckpointWriter
+from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

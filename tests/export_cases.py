@@ -9,7 +9,7 @@ import torch
 from boostlr.config import RunConfig, build_config, to_dict
 from boostlr.data.tokenizer import train_bpe
 from boostlr.models.llama import LlamaModel, build_model
-from boostlr.train.checkpoint import CheckpointWriter
+from boostlr.rundir.writer import CheckpointWriter
 
 VOCAB = 320
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"

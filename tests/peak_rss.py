@@ -29,7 +29,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from boostlr.export import export_checkpoint, hf_state_dict
-from boostlr.train.checkpoint import load_model_state, open_checkpoint
+from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 
 
 def gathered_export(checkpoint: Path, out: Path) -> None:

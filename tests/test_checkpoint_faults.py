@@ -16,8 +16,9 @@ from test_train import read_rows, tiny_run_config, train_rows
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from boostlr.config import build_config
+from boostlr.rundir.checkpoint import list_checkpoints
+from boostlr.rundir.verify import newest_verified_checkpoint
 from boostlr.train import run as trainer
-from boostlr.train.checkpoint import list_checkpoints, newest_verified_checkpoint
 
 pytestmark = pytest.mark.slow
 

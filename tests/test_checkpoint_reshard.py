@@ -15,8 +15,8 @@ import pytest
 from test_train import tiny_run_config, train_rows
 
 from boostlr.config import build_config
+from boostlr.rundir.checkpoint import list_checkpoints
 from boostlr.train import run as trainer
-from boostlr.train.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 

@@ -30,14 +30,13 @@ from boostlr.export import (
 from boostlr.fsutil import sha256_file
 from boostlr.generate import generate
 from boostlr.models.llama import build_model
-from boostlr.train.checkpoint import (
+from boostlr.rundir.checkpoint import (
     FORMAT_VERSION,
-    META_FILE,
-    MODEL_FILE,
     load_model_state,
     open_checkpoint,
     read_checkpoint,
 )
+from boostlr.rundir.layout import META_FILE, MODEL_FILE
 
 # DCP warns whenever it saves or loads in one process, which is what these tests mean to do.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

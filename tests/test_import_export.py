@@ -13,7 +13,7 @@ from export_cases import write_tokenizer as _write_tokenizer
 from boostlr.cli import main
 from boostlr.data import prepare_dataset
 from boostlr.export import export_checkpoint, load_pretrained
-from boostlr.train.checkpoint import list_checkpoints, load_model_state, open_checkpoint
+from boostlr.rundir.checkpoint import list_checkpoints, load_model_state, open_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -13,7 +13,7 @@ from boostlr.cli import main
 from boostlr.export import load_pretrained
 from boostlr.import_hf import LINEARS, import_hf
 from boostlr.models.llama import ATTN_LINEARS
-from boostlr.train.checkpoint import list_checkpoints, load_model_state, open_checkpoint
+from boostlr.rundir.checkpoint import list_checkpoints, load_model_state, open_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,8 +15,9 @@ from test_train import read_rows, tiny_run_config
 from boostlr.config import build_config
 from boostlr.errors import CheckpointError
 from boostlr.fsutil import sha256_file
+from boostlr.rundir.checkpoint import list_checkpoints
+from boostlr.rundir.layout import META_FILE
 from boostlr.train import run as trainer
-from boostlr.train.checkpoint import META_FILE, list_checkpoints
 from boostlr.train.optim import lr_at
 
 

@@ -126,7 +126,6 @@ DEVICE_ALLOWED = {
     "boostlr.calibrate": "own process group and timing for the measurement",
     "boostlr.parallel.compile": "inductor's toolchain check per device",
     "boostlr.train.profiling": "profiler activities per device",
-    "boostlr.train.state": "CUDA RNG states in checkpoints",
     # ``torch.device(device).type == "meta"``: building without storage, not a device kind.
     "boostlr.models.llama": "meta build",
 }
@@ -191,3 +190,23 @@ def test_only_the_device_module_branches_on_device_or_backend() -> None:
             found[name] = branches
     assert not found, found
     assert not stale, f"no longer branch on a device: drop from DEVICE_ALLOWED: {stale}"
+
+
+def test_the_run_directory_readers_import_nothing_from_the_trainer() -> None:
+    """``export``, ``eval`` and ``ckpt info`` read run directories through ``boostlr.rundir``
+    (the format's one home): a change to the trainer cannot break them, at any remove."""
+    graph = import_graph()
+    readers = {"boostlr.export", "boostlr.evaluate"}
+    readers |= {name for name in graph if name.startswith("boostlr.rundir")}
+    assert {"boostlr.rundir.checkpoint", "boostlr.rundir.info"} <= readers
+    for reader in sorted(readers):
+        reached, todo = set(), [reader]
+        while todo:
+            for dep in graph.get(todo.pop(), ()):
+                if dep not in reached:
+                    reached.add(dep)
+                    todo.append(dep)
+        trainer = sorted(
+            d for d in reached if d == "boostlr.train" or d.startswith("boostlr.train.")
+        )
+        assert not trainer, f"{reader} imports {trainer}"

@@ -12,9 +12,10 @@ import torch
 from boostlr.config import RunConfig, build_config
 from boostlr.errors import CheckpointError, ConfigError, TrainingDiverged
 from boostlr.parallel import engine
-from boostlr.train import checkpoint as ckpt_module
+from boostlr.rundir import checkpoint as ckpt_module
+from boostlr.rundir import writer as writer_module
+from boostlr.rundir.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
 from boostlr.train import run as trainer
-from boostlr.train.checkpoint import list_checkpoints, newest_checkpoint, open_checkpoint
 
 
 def tiny_run_config(data: Path, **overrides: object) -> RunConfig:
@@ -90,16 +91,16 @@ def test_interrupted_save_keeps_previous_checkpoint(
     run = tmp_path / "run"
     cfg = tiny_run_config(small_dataset)
     calls = {"n": 0}
-    real_save = ckpt_module.save_file
+    real_write = writer_module._write_hashed
 
-    def crash_on_second_save(tensors, path, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            real_save(tensors, path, *args, **kwargs)
+    def crash_on_second_save(path: Path, data: bytes) -> dict:
+        calls["n"] += path.name.startswith("rng_")
+        if calls["n"] == 2:  # the second save's RNG file lands, then the disk fills up
+            real_write(path, data)
             raise OSError("disk full (simulated)")
-        return real_save(tensors, path, *args, **kwargs)
+        return real_write(path, data)
 
-    monkeypatch.setattr(ckpt_module, "save_file", crash_on_second_save)
+    monkeypatch.setattr(writer_module, "_write_hashed", crash_on_second_save)
     with pytest.raises(OSError, match="simulated"):
         trainer.train(cfg, run, console=False)
     monkeypatch.undo()

@@ -200,9 +200,9 @@ def _restart_with_allocator(cfg) -> None:
     Several ranks get it from the launcher (``LD_PRELOAD`` in their environment); one
     process can only have it from its own start. Nothing has been read or written yet.
     """
+    from boostlr.parallel.device import resolve_device
     from boostlr.parallel.launch import under_launcher
     from boostlr.train.host_alloc import allocator_env, preloaded_allocator
-    from boostlr.train.run import resolve_device
 
     if os.environ.get(_REEXEC_FLAG) or under_launcher() or preloaded_allocator():
         return
@@ -222,7 +222,8 @@ _REEXEC_FLAG = "BOOSTLR_ALLOCATOR_PRELOADED"
 
 def _cmd_train(args: argparse.Namespace, overrides: list[str], own_process: bool) -> None:
     from boostlr.config import build_config, parse_overrides
-    from boostlr.train.run import CONFIG_FILE, train
+    from boostlr.rundir.layout import CONFIG_FILE
+    from boostlr.train.run import train
 
     pairs = parse_overrides(overrides)
     if args.resume:
@@ -262,7 +263,7 @@ def _cmd_export(args: argparse.Namespace) -> None:
 def _cmd_ckpt(args: argparse.Namespace) -> None:
     import json
 
-    from boostlr.train.ckpt_info import format_info, inspect_checkpoint
+    from boostlr.rundir.info import format_info, inspect_checkpoint
 
     info = inspect_checkpoint(Path(args.path), progress=True)
     print(json.dumps(info, indent=2) if args.json else format_info(info))

@@ -42,7 +42,7 @@ from boostlr.data import TokenDataset, default_dataset, eos_id
 from boostlr.errors import BoostlrError, DataError
 from boostlr.export import export_model_config, is_export, load_pretrained
 from boostlr.models.llama import LlamaModel
-from boostlr.train.checkpoint import open_checkpoint
+from boostlr.rundir.checkpoint import open_checkpoint
 
 # Keys ``boostlr eval`` accepts as ``--section.key VALUE``: what to read and how, never the model.
 EVAL_KEYS = (
@@ -270,7 +270,7 @@ def run_eval(
             f"data.seq_len {cfg.data.seq_len} must be in [1, model.max_seq_len "
             f"{cfg.model.max_seq_len}]: pass another --data.seq_len"
         )
-    from boostlr.train.run import resolve_device
+    from boostlr.parallel.device import resolve_device
 
     device = resolve_device(cfg.parallel.device)
     model, tokenizer = load_pretrained(path, device=device)

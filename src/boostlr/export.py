@@ -37,12 +37,12 @@ from boostlr.hf.files import (
 )
 from boostlr.merge import check_mergeable, merged_config, merged_tensors
 from boostlr.models.llama import LlamaModel, build_model
+from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
+from boostlr.rundir.layout import META_FILE, MODEL_FILE, TOKENIZER_FILE, checkpoints_dir
+from boostlr.rundir.tensors import ModelTensors
 from boostlr.stream_safetensors import write_safetensors
-from boostlr.train.checkpoint import META_FILE, MODEL_FILE, load_model_state, open_checkpoint
-from boostlr.train.ckpt_tensors import ModelTensors
 
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "config.json"  # an export's HF config (a run's own config is config.toml)
 LM_HEAD = "lm_head.weight"
 HF_PREFIX = "model."
 
@@ -139,7 +139,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
             lambda hf: read(names[hf]),
             metadata={"format": "pt"},
         )
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
         write_tokenizer_files(tmp, tokenizer, cfg.max_seq_len)
         if cfg.lowrank:
@@ -158,7 +158,7 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Lla
         cfg = export_model_config(path)
         state = from_hf_state_dict(load_file(path / MODEL_FILE))
         source = path
-    elif (path / META_FILE).is_file() or (path / "checkpoints").is_dir():
+    elif (path / META_FILE).is_file() or checkpoints_dir(path).is_dir():
         ckpt = open_checkpoint(path)
         cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
         state = load_model_state(ckpt)
@@ -204,8 +204,8 @@ def _model_config(data: Any, source: Path) -> ModelConfig:
 
 def export_model_config(path: Path) -> ModelConfig:
     """The model config of an export directory (its ``config.json``'s ``boostlr`` section)."""
-    config = json.loads((Path(path) / CONFIG_FILE).read_text())
-    return _model_config(config.get("boostlr"), Path(path) / CONFIG_FILE)
+    config = json.loads((Path(path) / HF_CONFIG_FILE).read_text())
+    return _model_config(config.get("boostlr"), Path(path) / HF_CONFIG_FILE)
 
 
 def _checkpoint_model_config(meta: dict[str, Any], source: Path) -> ModelConfig:
@@ -214,10 +214,10 @@ def _checkpoint_model_config(meta: dict[str, Any], source: Path) -> ModelConfig:
 
 def is_export(path: Path) -> bool:
     """An export dir: ``config.json`` with a ``"boostlr"`` section, next to the weights."""
-    if not (path / CONFIG_FILE).is_file() or not (path / MODEL_FILE).is_file():
+    if not (path / HF_CONFIG_FILE).is_file() or not (path / MODEL_FILE).is_file():
         return False
     try:
-        return "boostlr" in json.loads((path / CONFIG_FILE).read_text())
+        return "boostlr" in json.loads((path / HF_CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False
 

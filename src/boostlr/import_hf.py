@@ -2,7 +2,7 @@
 
 The result is what ``boostlr train`` would have written at step 0: ``config.toml``,
 ``tokenizer.json`` and one checkpoint ``checkpoints/step_0/`` (written by
-:class:`~boostlr.train.checkpoint.CheckpointWriter`, with zero AdamW moments for every
+:class:`~boostlr.rundir.writer.CheckpointWriter`, with zero AdamW moments for every
 parameter and a fresh data position), so ``train --resume``, ``export``, ``eval`` and
 ``generate`` take it as they take any run.
 
@@ -41,7 +41,9 @@ from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.export import LM_HEAD, from_hf_state_dict
 from boostlr.fsutil import replace_dir
 from boostlr.models.llama import ATTN_LINEARS, LlamaModel
-from boostlr.train.checkpoint import CheckpointWriter
+from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
+from boostlr.rundir.payload import checkpoint_payload
+from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
 IMPORT_FILE = "import.json"
@@ -269,9 +271,6 @@ def build_imported_model(cfg: RunConfig, state: dict[str, torch.Tensor]) -> Llam
 
 def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = None) -> ImportResult:
     """Write the run directory ``out`` (atomically: a temp dir renamed into place)."""
-    from boostlr.train.run import CONFIG_FILE
-    from boostlr.train.state import TOKENIZER_FILE, checkpoint_payload
-
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory: pass a Hugging Face LLaMA directory")
@@ -313,7 +312,7 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
         shutil.copyfile(tok_file, tmp / TOKENIZER_FILE)
         (tmp / CONFIG_FILE).write_text(dump_toml(cfg))
         (tmp / IMPORT_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        writer = CheckpointWriter(tmp / "checkpoints", 0, None, cfg.train.keep_checkpoints)
+        writer = CheckpointWriter(checkpoints_dir(tmp), 0, None, cfg.train.keep_checkpoints)
         writer.save(0, *payload, {TOKENIZER_FILE: tmp / TOKENIZER_FILE})
         writer.close()
         replace_dir(tmp, out)  # ``out`` is absent or empty (checked above)

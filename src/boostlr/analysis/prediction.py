@@ -58,7 +58,7 @@ class Prediction:
 
 def planned_layout(cfg: RunConfig) -> dict[str, Any]:
     """The layout and batch a prediction is for (a JSON row field; a checkpoint records its
-    own layout with :func:`boostlr.train.state.layout_of`)."""
+    own layout with :func:`boostlr.rundir.payload.layout_of`)."""
     p, t = cfg.parallel, cfg.train
     return {
         "gpus": p.world_size,

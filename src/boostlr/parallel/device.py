@@ -365,3 +365,27 @@ class HostToDevice:
         for t in tensors:
             t.record_stream(current)
         return tensors
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """The generators a checkpoint keeps: the CPU's, and each visible GPU's as ``cuda{i}``."""
+    states = {HOST: torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    """Puts back what :func:`rng_states` kept; GPUs this process does not see are skipped
+    (a resume may see fewer GPUs per task than the save did)."""
+    torch.set_rng_state(states[HOST])
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda{i}" in states:
+                torch.cuda.set_rng_state(states[f"cuda{i}"], i)
+
+
+def pin_staging(device: torch.device | None) -> bool:
+    """Whether a checkpoint save stages into pinned host memory: on a GPU, where the copy out
+    of device memory then runs at full bandwidth; never on the CPU (nothing crosses a bus)."""
+    return device is not None and copy_plan(device.type).pin and torch.cuda.is_available()

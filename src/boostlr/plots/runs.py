@@ -20,6 +20,7 @@ from boostlr.config import RunConfig, from_dict, load_toml
 from boostlr.errors import BoostlrError
 from boostlr.models.counting import flops_per_token
 from boostlr.plots import require_matplotlib
+from boostlr.rundir.layout import CONFIG_FILE, METRICS_FILE
 
 X_AXES = ("step", "tokens", "flops")
 X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "training FLOPs"}
@@ -66,10 +67,10 @@ class Run:
 
 def load_run(path: Path) -> Run:
     path = Path(path)
-    config, metrics = path / "config.toml", path / "metrics.jsonl"
+    config, metrics = path / CONFIG_FILE, path / METRICS_FILE
     if not (config.is_file() and metrics.is_file()):
         raise BoostlrError(
-            f"{path} is not a run directory (it needs config.toml and metrics.jsonl): pass "
+            f"{path} is not a run directory (it needs {CONFIG_FILE} and {METRICS_FILE}): pass "
             "runs/<run> directories written by boostlr train"
         )
     rows = []
@@ -121,7 +122,7 @@ def plot_runs(
     available = set().union(*(r.keys() for r in runs)) - {"step"}
     if y not in available:
         raise BoostlrError(
-            f"--y {y!r} is in no run's metrics.jsonl: choose one of {', '.join(sorted(available))}"
+            f"--y {y!r} is in no run's {METRICS_FILE}: choose one of {', '.join(sorted(available))}"
         )
     require_matplotlib("boostlr plot")
     import matplotlib

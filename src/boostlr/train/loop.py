@@ -16,6 +16,7 @@ import torch
 
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
+from boostlr.rundir.layout import METRICS_FILE
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
 from boostlr.train.optim import set_lr
@@ -25,7 +26,6 @@ from boostlr.train.sinks import open_sinks
 from boostlr.train.state import RunState, save
 from boostlr.train.window import Window
 
-METRICS_FILE = "metrics.jsonl"
 COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_time_s
 
 
@@ -143,12 +143,12 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                     window.check(state, step)
                 paused = time.perf_counter()
                 window.take_comm(model.comms.ledger)
-                blocked = save(state, step)
+                cost = save(state, step)
                 phases.mark("save")
                 model.comms.ledger.take_seconds()  # the save's own time is not the step's
                 window.excluded += time.perf_counter() - paused
                 if metrics is not None:
-                    metrics.write({"step": step, "ckpt_block_s": blocked, "async": t.async_ckpt})
+                    metrics.write({"step": step, **cost.row(), "async": t.async_ckpt})
             progress.update(step, row)
         finished = True
     finally:

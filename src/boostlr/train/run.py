@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from boostlr.config import RunConfig, dump_toml, from_dict, to_dict
+from boostlr.config import RunConfig, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.errors import (
     EXIT_BAD_INPUT,
@@ -32,22 +30,29 @@ from boostlr.errors import (
     DataError,
     TrainingDiverged,
 )
-from boostlr.fsutil import write_text_atomic
 from boostlr.parallel.compile import check_toolchain
 from boostlr.parallel.device import check_local_gpus, resolve_device, runs_on_host
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.launch import adopt_slurm_env, init_distributed, launch, under_launcher
-from boostlr.train.checkpoint import Checkpoint, CheckpointWriter, read_checkpoint
+from boostlr.parallel.launch import (
+    adopt_slurm_env,
+    init_distributed,
+    launch,
+    under_launcher,
+)
+from boostlr.rundir import layout
+from boostlr.rundir.checkpoint import read_checkpoint
+from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
+from boostlr.rundir.resume import prepare_run_dir
+from boostlr.rundir.verify import CollectiveTimeout
+from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
-from boostlr.train.loop import METRICS_FILE, run_steps
+from boostlr.train.loop import run_steps
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.metrics import truncate_after
 from boostlr.train.optim import build_optimizer, init_optimizer_state
-from boostlr.train.resume import check_resume_config, pick_checkpoint
 from boostlr.train.sinks import require_packages
-from boostlr.train.state import TOKENIZER_FILE, RunState, restore
+from boostlr.train.state import RunState, restore
 
-CONFIG_FILE = "config.toml"
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -109,31 +114,6 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     return results[0]
 
 
-def prepare_run_dir(
-    cfg: RunConfig, run_dir: Path, resume: bool, dataset: TokenDataset, required: bool = True
-) -> str | None:
-    """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
-
-    A new run refuses a directory that holds one; ``--resume`` (or a restart) picks and
-    verifies the newest complete checkpoint and checks the config is compatible with it.
-    """
-    ckpt: Checkpoint | None = None
-    if resume:
-        ckpt = pick_checkpoint(run_dir, required)
-        if ckpt is not None:
-            check_resume_config(ckpt, cfg)
-    elif (run_dir / CONFIG_FILE).exists():
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run: pass --resume to continue it "
-            "or choose a new --run-dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / TOKENIZER_FILE).exists():
-        shutil.copyfile(dataset.tokenizer_path, run_dir / TOKENIZER_FILE)
-    write_text_atomic(run_dir / CONFIG_FILE, dump_toml(cfg))
-    return str(ckpt.path) if ckpt else None
-
-
 def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
     """One rank started by :func:`launch` (module level: it is pickled to the child)."""
     cfg = from_dict(cfg_dict)
@@ -152,11 +132,12 @@ def _rank_main(
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
     exit_on_error: bool = False,
 ) -> TrainResult:
-    """Join the process group, find the checkpoint (rank 0, once), train, leave the group.
+    """Join the process group, find the checkpoint (all ranks, once), train, leave the group.
 
-    ``resume`` is given under an external launcher: rank 0 then checks and writes the run
-    directory. After an automatic restart the ranks look for the newest checkpoint
-    themselves. Ranks this process started report their own errors and exit with its code.
+    ``resume`` is given under an external launcher: the ranks then verify the checkpoint
+    together and rank 0 writes the run directory. After an automatic restart the ranks look
+    for the newest checkpoint themselves. Ranks this process started report their own
+    errors and exit with its code; a timed-out collective is one line under any launcher.
     """
     # DTensor logs a performance note for every checkpointed 2-D (dp x tp) shard.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -168,16 +149,17 @@ def _rank_main(
     try:
         restarted = restart_attempt() > 0
         if resume is not None or restarted:
-
-            def find() -> str | None:
-                dataset = datasets[0] if datasets else open_datasets(cfg)[0]
-                again = bool(resume) or restarted
-                return prepare_run_dir(cfg, run_dir, again, dataset, required=not restarted)
-
-            ckpt_path = _on_rank0(find) if distributed else find()
+            dataset = datasets[0] if datasets else open_datasets(cfg)[0]
+            again = bool(resume) or restarted
+            world = dist.get_world_size() if distributed else 1
+            ckpt_path = prepare_run_dir(
+                cfg, run_dir, again, dataset, required=not restarted, rank=rank, world=world
+            )
         return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
     except (BoostlrError, TrainingDiverged, Exception) as exc:
-        if not exit_on_error:
+        # Under torchrun/srun a timed-out collective or a lost peer is one line too, not a
+        # traceback from every rank; other errors go to the CLI (one line or a crash).
+        if not exit_on_error and not (isinstance(exc, CollectiveTimeout) or lost_peer(exc)):
             raise
         _report(rank, exc)
     finally:
@@ -192,6 +174,8 @@ def _report(rank: int, exc: BaseException) -> None:
         sys.exit(EXIT_BAD_INPUT)
     if isinstance(exc, TrainingDiverged):
         print(f"boostlr: rank {rank}: training diverged: {exc}", file=sys.stderr, flush=True)
+    elif isinstance(exc, CollectiveTimeout):
+        print(f"boostlr: rank {rank}: {exc}", file=sys.stderr, flush=True)
     elif lost_peer(exc):  # the launcher names the rank that died and why
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"boostlr: rank {rank}: lost a peer rank ({first})", file=sys.stderr, flush=True)
@@ -206,26 +190,13 @@ def lost_peer(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistNetworkError) or any(s in str(exc) for s in _PEER_GONE)
 
 
-def _on_rank0(task: Callable[[], str | None]) -> str | None:
-    """Run ``task`` on rank 0 and give every rank its result (or its one-line error)."""
-    answer: list = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            answer = [task(), None]
-        except BoostlrError as exc:
-            answer = [None, str(exc)]
-    dist.broadcast_object_list(answer, src=0)
-    if answer[1] is not None:
-        raise BoostlrError(answer[1])
-    return answer[0]
-
-
 def memory_phase_file(run_dir: Path, rank: int, enabled: bool) -> Path | None:
     """``<run>/memory/rank<N>.json`` when ``train.memory_phases`` is on."""
     if not enabled:
         return None
-    (run_dir / "memory").mkdir(parents=True, exist_ok=True)
-    return run_dir / "memory" / f"rank{rank}.json"
+    path = layout.memory_phase_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _train_rank(
@@ -271,7 +242,12 @@ def _train_rank(
         phases.mark("optimizer state")
         release_freed_pages()  # the build's transients; the allocator keeps the step's pages
         writer = CheckpointWriter(
-            run_dir / "checkpoints", rank, model.comms.ckpt_group, t.keep_checkpoints, t.async_ckpt
+            checkpoints_dir(run_dir),
+            rank,
+            model.comms.ckpt_group,
+            t.keep_checkpoints,
+            t.async_ckpt,
+            device,
         )
         state = RunState(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases

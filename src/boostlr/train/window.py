@@ -15,7 +15,8 @@ import torch
 from boostlr.errors import TrainingDiverged
 from boostlr.parallel.device import synchronize
 from boostlr.parallel.ledger import CommLedger
-from boostlr.train.checkpoint import newest_checkpoint
+from boostlr.rundir.checkpoint import newest_checkpoint
+from boostlr.rundir.layout import checkpoints_dir
 from boostlr.train.state import RunState
 
 
@@ -52,7 +53,7 @@ class Window:
         loss, norm, bad = float(self.loss), float(self.grad_norm), int(self.first_bad)
         if bad:
             state.writer.wait()
-            kept = newest_checkpoint(state.run_dir / "checkpoints")
+            kept = newest_checkpoint(checkpoints_dir(state.run_dir))
             raise TrainingDiverged(
                 f"loss / grad norm at step {bad} is not finite (steps {self.first}-{step}, "
                 f"checked at step {step}; last: loss {loss}, grad norm {norm}): stopped "

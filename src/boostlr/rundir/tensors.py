@@ -1,6 +1,6 @@
 """A checkpoint's model tensors, listed from metadata and read one at a time.
 
-:func:`~boostlr.train.checkpoint.load_model_state` builds the whole model in memory, which is
+:func:`~boostlr.rundir.checkpoint.load_model_state` builds the whole model in memory, which is
 what resuming and generation need. Export and inspection only need one tensor at a time (or
 none: shapes and dtypes), so they use :class:`ModelTensors`, whose memory is that of the
 tensor being read. A checkpoint is a ``torch.distributed.checkpoint`` directory: the model
@@ -10,17 +10,16 @@ entries are ``model.<name>`` at their global shape, listed from ``.metadata`` al
 from __future__ import annotations
 
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from boostlr.errors import CheckpointError
+from boostlr.rundir import dcp_io
+from boostlr.rundir.checkpoint import dcp_tensor_entries
 from boostlr.stream_safetensors import TensorInfo
-from boostlr.train.checkpoint import SafeFileSystemReader, dcp_tensor_entries
 
 DCP_MODEL_PREFIX = "model."
 
@@ -59,9 +58,7 @@ class ModelTensors:
         info = self.infos[name]
         key = DCP_MODEL_PREFIX + name
         out = {key: torch.empty(info.shape, dtype=info.dtype)}
-        with warnings.catch_warnings():  # one process is the intent, not a mistake
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(out, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
+        dcp_io.load(out, self.path, None)
         return out[key]
 
     def _dcp_infos(self) -> dict[str, TensorInfo]:

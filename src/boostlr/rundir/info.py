@@ -10,9 +10,7 @@ bad file, which the CLI turns into one line and exit code 2.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from boostlr.errors import CheckpointError
-from boostlr.train.checkpoint import META_FILE
-from boostlr.train.ckpt_tensors import ModelTensors
+from boostlr.rundir.checkpoint import sha256_of
+from boostlr.rundir.layout import META_FILE, STEP_DIR, checkpoints_dir
+from boostlr.rundir.tensors import ModelTensors
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_BLOCK = 1 << 20
 _EARLIER = "use an earlier checkpoint"
 
 
@@ -40,11 +37,11 @@ def find_checkpoint_dir(path: Path) -> Path:
         raise CheckpointError(f"{path} does not exist: pass a checkpoint or run directory")
     if (path / META_FILE).is_file():
         return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    root = checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
     steps = []
     if root.is_dir():
         for child in root.iterdir():
-            match = _STEP_DIR.match(child.name)
+            match = STEP_DIR.match(child.name)
             if match and (child / META_FILE).is_file():
                 steps.append((int(match.group(1)), child))
     if not steps:
@@ -78,7 +75,7 @@ def inspect_checkpoint(path: Path, progress: bool = False) -> dict[str, Any]:
     with _hash_progress(progress, total) as advance:
         for name, entry in sorted(files.items()):
             try:
-                digest = _sha256(ckpt / name, advance)
+                digest = sha256_of(ckpt / name, advance)
             except OSError as exc:
                 raise CheckpointError(
                     f"checkpoint {ckpt}: cannot read {name} ({exc.strerror}): check its "
@@ -153,15 +150,6 @@ def _is_file_entry(entry: Any) -> bool:
         and isinstance(entry.get("size"), int)
         and isinstance(entry.get("sha256"), str)
     )
-
-
-def _sha256(path: Path, advance: Callable[[int], None]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(_BLOCK), b""):
-            digest.update(block)
-            advance(len(block))
-    return digest.hexdigest()
 
 
 @contextlib.contextmanager

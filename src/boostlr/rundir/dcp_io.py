@@ -1,0 +1,251 @@
+"""Every use of ``torch.distributed.checkpoint`` beyond its documented calls, in one module.
+
+Three things boostlr needs that DCP does not offer as API:
+
+* **Hashing while writing.** :class:`HashingFileSystemWriter` is DCP's ``FileSystemWriter``
+  with its ``fs`` swapped for a :class:`HashingFileSystem`, whose write streams feed
+  sha256 as the bytes go out; a save then never reads its shards back to hash them. This
+  relies on DCP writing every file (shards and ``.metadata``) through ``self.fs`` in
+  sequence, and renaming ``.metadata.tmp`` through ``fs.rename``.
+* **Staging before the save.** The trainer copies the state to host memory itself
+  (:func:`make_stager`: pinned on CUDA) and hands DCP the copy, so the ranks' per-save
+  numbers can be exchanged while the checkpoint group is idle.
+* **Safe metadata.** :class:`SafeFileSystemReader` unpickles ``.metadata`` through an
+  allowlist of DCP's own classes (it names the private ``_StorageInfo``).
+
+``tests/test_dcp_io.py`` fails if a torch release changes any of this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP warns on every one-process save/load that it "assumes" one process: we ask for it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+class HashingStream(io.IOBase):
+    """A write-only, forward-only file stream that hashes every byte it writes.
+
+    ``seek`` is refused: a writer that went back would make the running hash wrong, so a
+    torch that starts seeking fails the save (and the test) instead of writing bad hashes.
+    """
+
+    def __init__(self, raw: io.IOBase):
+        self._raw = raw
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        written = len(view) if written is None else written
+        self._sha.update(view[:written])
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.size
+
+    def seek(self, *args: Any) -> int:
+        raise io.UnsupportedOperation("a hashing checkpoint stream only writes forward")
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:  # the file is closed by the stream's context manager
+        if not self.closed:
+            self._raw.flush()
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system; every file written through it has its size and sha256 kept
+    in :attr:`digests` (by file name), following renames."""
+
+    def __init__(self) -> None:
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # DCP may write with several threads
+
+    @contextmanager
+    def create_stream(self, path: str | Path, mode: str) -> Iterator[io.IOBase]:
+        if "r" in mode and "+" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = HashingStream(raw)
+            yield stream
+            stream.flush()
+        with self._lock:
+            self.digests[Path(path).name] = {"size": stream.size, "sha256": stream.hexdigest()}
+
+    def rename(self, path: str | Path, new_path: str | Path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            entry = self.digests.pop(Path(path).name, None)
+            if entry is not None:
+                self.digests[Path(new_path).name] = entry
+
+    def rm_file(self, path: str | Path) -> None:
+        super().rm_file(path)
+        with self._lock:
+            self.digests.pop(Path(path).name, None)
+
+
+class HashingFileSystemWriter(dcp.FileSystemWriter):
+    """DCP's file writer (fsync on, one file per rank) that hashes what it writes.
+
+    Its ``stage`` passes the state through: the caller stages it (:func:`stage_state`)
+    before :func:`dcp.async_save`, which would otherwise copy it a second time.
+    """
+
+    def __init__(self, path: str | Path):
+        super().__init__(str(path), sync_files=True)
+        self.fs = HashingFileSystem()
+
+    @property
+    def digests(self) -> dict[str, dict[str, Any]]:
+        return dict(self.fs.digests)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+
+def make_stager(pin: bool) -> DefaultStager:
+    """A stager that copies a state into host memory, blocking until the copy is done.
+
+    Pinned (with non-blocking device copies) when ``pin``; kept by the caller across saves
+    then, since pinning host memory is slow and the buffers are reused every save.
+    """
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=pin,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=pin,
+        )
+    )
+
+
+def stage_state(stager: DefaultStager, state: dict[str, Any]) -> dict[str, Any]:
+    """A host copy of ``state`` (DTensors stay DTensors, with host local shards)."""
+    staged = stager.stage(state)
+    assert isinstance(staged, dict)  # synchronous staging returns the copy itself
+    return staged
+
+
+def save(
+    state: dict[str, Any],
+    writer: HashingFileSystemWriter,
+    group: torch.distributed.ProcessGroup | None,
+) -> None:
+    with quiet_dcp():
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+
+
+def async_save(
+    staged: dict[str, Any],
+    writer: HashingFileSystemWriter,
+    group: torch.distributed.ProcessGroup | None,
+) -> Any:
+    """Write an already staged state in DCP's background thread; returns its future."""
+    with quiet_dcp():
+        return dcp.async_save(
+            staged,
+            storage_writer=writer,
+            async_stager=writer,
+            process_group=group,
+            no_dist=group is None,
+        )
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: only its own classes may load.
+
+    DCP reads ``.metadata`` with a bare ``pickle.load`` (the shards it reads with
+    ``weights_only``); a crafted file could run any code. This allowlist is what the
+    metadata of a boostlr checkpoint holds.
+    """
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"},
+        "builtins": {"set", "frozenset", "slice", "tuple", "list", "dict"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or name in self.ALLOWED.get(module, ())
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata unpickled through an allowlist."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load(state: dict[str, Any], path: Path, group: torch.distributed.ProcessGroup | None) -> None:
+    """Load ``path`` in place into ``state`` (DCP reshards to the state's layout)."""
+    with quiet_dcp():
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(path)),
+            process_group=group,
+            no_dist=group is None,
+        )

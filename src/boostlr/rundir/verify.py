@@ -1,0 +1,154 @@
+"""Which checkpoint to resume from, verified by every rank at once.
+
+Hashing a checkpoint of hundreds of gigabytes takes minutes. If one rank did it while the
+others waited in a collective, the others' collective timeout (``parallel.timeout_s``; the
+NCCL watchdog on GPUs) would end the job first. So the files are split into equal-byte
+shares, each rank hashes its own share, and the ranks compare verdicts on a gloo group
+made for this, whose timeout grows with the largest share. Every rank reads the same
+listing (the run directory is on a file system every rank sees); a rank that sees another
+listing stops the resume with one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from boostlr.errors import CheckpointError
+from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, sha256_of
+
+# The slowest hashing rate a rank is assumed to reach (a busy network file system shared by
+# a node's ranks): the verification group's timeout allows a share to be hashed this slowly.
+MIN_HASH_BYTES_PER_S = 20 * 2**20
+VERIFY_GROUP = "checkpoint verification (gloo)"
+
+
+def shares(files: dict[str, dict[str, Any]], world: int) -> list[list[str]]:
+    """Split a checkpoint's files over ``world`` ranks, largest first to the lightest share:
+    the same split on every rank, and shares within one file's size of each other."""
+    split: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for name in sorted(files, key=lambda n: (-int(files[n]["size"]), n)):
+        lightest = min(range(world), key=lambda r: (load[r], r))
+        split[lightest].append(name)
+        load[lightest] += int(files[name]["size"])
+    return split
+
+
+def first_bad_file(ckpt: Checkpoint, names: list[str]) -> str | None:
+    """The first of ``names`` whose bytes do not match ``meta.json`` (``None``: all match)."""
+    for name in names:
+        info = ckpt.meta["files"][name]
+        try:
+            if sha256_of(ckpt.path / name) != info["sha256"]:
+                return name
+        except OSError:
+            return name
+    return None
+
+
+def verify_timeout(candidates: list[Checkpoint], world: int, floor_s: float) -> float:
+    """Seconds the verification group waits: ``floor_s`` plus the largest share's hashing
+    time at :data:`MIN_HASH_BYTES_PER_S`."""
+    largest = 0
+    for ckpt in candidates:
+        files = ckpt.meta["files"]
+        for share in shares(files, world):
+            largest = max(largest, sum(int(files[n]["size"]) for n in share))
+    return floor_s + largest / MIN_HASH_BYTES_PER_S
+
+
+class VerifyGroup:
+    """The ranks that verify together: a gloo group whose timeout covers the largest share
+    (``None`` in one process, where nothing waits)."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.group = None
+        if world > 1:
+            timeout = timedelta(seconds=timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (one process: ``[value]``)."""
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world
+        with collective_timeout(VERIFY_GROUP, self.timeout_s):
+            dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+@contextmanager
+def verification_group(
+    candidates: list[Checkpoint], rank: int, world: int, floor_s: float
+) -> Iterator[VerifyGroup]:
+    group = VerifyGroup(rank, world, verify_timeout(candidates, world, floor_s))
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def newest_verified(
+    candidates: list[Checkpoint], group: VerifyGroup
+) -> tuple[Checkpoint | None, list[Path]]:
+    """The newest of ``candidates`` whose checksums verify, and the newer corrupted ones.
+
+    Collective over ``group``: every rank hashes its share of each candidate, the verdicts
+    are compared; each file is hashed once overall.
+    """
+    listing = [(c.step, sorted(c.meta["files"].items())) for c in candidates]
+    if any(other != listing for other in group.gather(listing)):
+        root = candidates[0].path.parent if candidates else "the run directory"
+        raise CheckpointError(
+            f"--resume: the ranks see different checkpoints under {root}: put the run "
+            "directory on a file system that every rank shares"
+        )
+    skipped = []
+    for ckpt in reversed(candidates):
+        bad = first_bad_file(ckpt, shares(ckpt.meta["files"], group.world)[group.rank])
+        if all(verdict is None for verdict in group.gather(bad)):
+            return ckpt, skipped
+        skipped.append(ckpt.path)
+    return None, skipped
+
+
+def newest_verified_checkpoint(ckpt_root: Path) -> tuple[Checkpoint | None, list[Path]]:
+    """One process: the newest checkpoint under ``ckpt_root`` whose checksums verify, and
+    the newer corrupted ones skipped."""
+    candidates = list_checkpoints(ckpt_root)
+    with verification_group(candidates, 0, 1, 0.0) as group:
+        return newest_verified(candidates, group)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective on a named group ran past its timeout (reported as one line)."""
+
+
+_TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
+
+
+@contextmanager
+def collective_timeout(group: str, timeout_s: float) -> Iterator[None]:
+    """Turn a timed-out collective on ``group`` into a :class:`CollectiveTimeout` whose
+    message names the group and its timeout."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveTimeout) or not any(s in str(exc) for s in _TIMED_OUT):
+            raise
+        raise CollectiveTimeout(
+            f"the {group} group timed out after {timeout_s:g} s: another rank did not reach "
+            "the same collective in time (it is slower, stuck or gone)"
+        ) from None
