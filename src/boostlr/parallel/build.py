@@ -12,6 +12,7 @@ mesh, :mod:`boostlr.parallel.vocab`) and FSDP leaves them alone. The result is a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -39,8 +40,11 @@ def build_stages(
     """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped.
 
     ``mark_phase("materialise")`` and ``mark_phase("FSDP wrap")`` close those phases for a
-    memory report.
+    memory report. Each stage's ``build_s`` is the seconds this rank spent building all of
+    them (the first metrics row reports it per rank; on a GPU the draws end with host reads,
+    so the time is the device's too).
     """
+    started = time.perf_counter()
     p = cfg.parallel
     vocab_dp = comms.dp if splits_vocab_over_dp(cfg, comms) else None
     ctx = TPContext.from_config(comms.tp, cfg, vocab_dp=vocab_dp)
@@ -62,6 +66,8 @@ def build_stages(
         for part in stages:
             apply_data_parallel(part, comms, p.dp_mode, cfg.train.dtype)
         mark_phase("FSDP wrap")
+    for part in stages:
+        part.build_s = time.perf_counter() - started
     return stages
 
 
