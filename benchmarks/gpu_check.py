@@ -15,7 +15,8 @@ In order:
 3. A copy of the run cut back to its middle checkpoint, continued with ``--resume``: every
    loss and validation loss after the cut equals the uninterrupted run's bit for bit.
 4. ``boostlr export`` of the result and ``boostlr eval`` of the export and of the run dir.
-5. On CUDA, ``benchmarks/gpu_suite.py`` (GEMMs, one-GPU steps) in what is left of the budget.
+5. On CUDA, the counter-based init's draws on the GPU against the CPU's (bit for bit), and
+   ``benchmarks/gpu_suite.py`` (GEMMs, one-GPU steps) in what is left of the budget.
 6. With two or more GPUs, the distributed tests on NCCL (``BOOSTLR_TEST_BACKEND=nccl``).
 
 Exits 1 when a check fails (a skipped one does not fail), 2 on bad arguments.
@@ -450,6 +451,29 @@ def check_nccl(args: argparse.Namespace, checks: Checks) -> None:
     checks.add("distributed tests on NCCL", rc == 0, f"exit {rc}: {tail(log, 1)}", seconds)
 
 
+def check_init_devices(args: argparse.Namespace, checks: Checks) -> None:
+    """The counter-based init draws the same bits on the GPU as on the CPU."""
+    name = "init: GPU draws = CPU draws, bit for bit"
+    if args.device != "cuda":
+        checks.add(name, None, "CUDA only")
+        return
+    import torch
+
+    from boostlr.models.philox import normal_box, stream_key
+
+    started = time.monotonic()
+    cases = [((4096, 1024), None), ((32000, 4096), [(8000, 16000), (1024, 2048)])]
+    cases += [((11008, 1024), [(0, 11008), (2752, 5504)]), ((101, 37), [(3, 99), (5, 31)])]
+    differ = []
+    for shape, box in cases:
+        key = stream_key("gpu_check", shape)
+        on_gpu = normal_box(key, shape, box, device="cuda").cpu()
+        if not torch.equal(on_gpu, normal_box(key, shape, box)):
+            differ.append(shape)
+    detail = f"{len(cases)} boxes" + (f"; differ: {differ}" if differ else ", all equal")
+    checks.add(name, not differ, detail, time.monotonic() - started)
+
+
 def check_data(args: argparse.Namespace, checks: Checks) -> bool:
     if args.data:
         ok = (Path(args.data) / "manifest.json").exists()
@@ -520,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     print(checks.facts["machine"], flush=True)
     try:
         run_dir = out / "run"
+        check_init_devices(args, checks)
         if check_data(args, checks) and check_train(args, checks, run_dir):
             check_resume(args, checks, run_dir, out / "resumed")
             check_export_eval(args, checks, out / "resumed")
