@@ -66,7 +66,7 @@ def before(part: TensorParallelModel, seed: int, device: torch.device) -> int:
         rule = init_rule(part.cfg, name)
         if isinstance(rule, float):
             digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
             full = torch.randn(param.shape, generator=gen) * rule
             drawn += full.numel()
         else:
