@@ -7,6 +7,10 @@ checks into one ``fn`` rather than one spawn per check.
 
 A rank that raises (or dies) fails the call with that rank's traceback, and the other
 ranks are terminated instead of being left blocked in a collective.
+
+``BOOSTLR_TEST_BACKEND=nccl`` (``benchmarks/gpu_check.py`` on 2+ GPUs) gives the ranks NCCL
+groups instead, each on its own GPU; tests that take their device from
+:func:`rank_device` then run their collectives on the GPUs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+BACKEND = os.environ.get("BOOSTLR_TEST_BACKEND", "gloo")
+
+
+def rank_device(rank: int) -> torch.device:
+    """Where rank ``rank`` keeps its tensors: its GPU under NCCL, else the CPU."""
+    if BACKEND == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 class DistributedTestError(RuntimeError):
@@ -48,8 +61,10 @@ def _worker(
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if BACKEND == "nccl":
+            torch.cuda.set_device(rank_device(rank))
         dist.init_process_group(
-            "gloo",
+            BACKEND,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,

@@ -1,26 +1,24 @@
-"""Seeded initial values, one parameter at a time, keyed by the parameter's name.
+"""Seeded initial values keyed by the parameter's name, drawable one slice at a time.
 
-Each parameter draws from its own generator seeded from ``(seed, name)``, so its value does
-not depend on which other parameters exist on a rank: a pipeline stage or a tensor-parallel
-shard is initialised by drawing only its own parameters (one full tensor at a time) and
-slicing, and equals the single-device model's init for the same seed exactly.
+Element ``i`` of parameter ``name`` is a pure function of ``(seed, name, i)``: a
+counter-based normal (:mod:`boostlr.models.philox`) scaled by the parameter's init std. So
+a value does not depend on which other parameters exist on a rank, and a pipeline stage or
+a tensor-parallel shard draws only the slices it holds, on its own device, equal bit for
+bit to the same slices of the single-device model's init for the same seed.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Sequence
 
 import torch
 
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import cola_std
+from boostlr.models.philox import normal_box, stream_key
 from boostlr.models.shapes import linear_shapes
 
-
-def parameter_seed(seed: int, name: str) -> int:
-    """A 63-bit seed that is the same on every machine, process and torch version."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+Box = Sequence[tuple[int, int]]
 
 
 def _linear_of(name: str) -> str:
@@ -29,26 +27,44 @@ def _linear_of(name: str) -> str:
     return parts[3] if len(parts) > 3 and parts[0] == "layers" else ""
 
 
-def initial_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
-    """The single-device initial value of parameter ``name`` (full shape, fp32, CPU)."""
-
-    def normal(std: float) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(parameter_seed(seed, name))
-        return torch.randn(shape, generator=gen) * std
-
+def init_rule(cfg: ModelConfig, name: str) -> float | str:
+    """``"ones"``, ``"zeros"`` or the std of the normal that parameter ``name`` starts from."""
     if name.endswith("norm.weight"):  # RMSNorm gains, LaX's LN_r included
-        return torch.ones(shape)
+        return "ones"
     if name in ("embed_tokens.weight", "lm_head.weight"):
-        return normal(cfg.init_std)
+        return cfg.init_std
     if ".cross." in name:
         # The gate's output starts at zero, so a fresh LaX model equals CoLA with LN_r; the
         # factored gate's first half is random so gradients reach both halves.
         if name.endswith("cross.gate_down.weight"):
-            return normal(cola_std(cfg.rank, cfg.rank, cfg.lax_gate_rank))
-        return torch.zeros(shape)
+            return cola_std(cfg.rank, cfg.rank, cfg.lax_gate_rank)
+        return "zeros"
     if name.endswith((".down.weight", ".up.weight")):
         d_in, d_out = linear_shapes(cfg)[_linear_of(name)]
-        return normal(cola_std(d_in, d_out, cfg.rank))
+        return cola_std(d_in, d_out, cfg.rank)
     if _linear_of(name):
-        return normal(cfg.init_std)  # a dense block linear
+        return cfg.init_std  # a dense block linear
     raise ValueError(f"no initialisation rule for parameter {name!r}")
+
+
+def initial_value(
+    cfg: ModelConfig,
+    name: str,
+    shape: Sequence[int],
+    seed: int,
+    box: Box | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Parameter ``name``'s initial value (fp32): whole, or only ``box`` of it.
+
+    ``box`` is one ``(start, end)`` per dim of the full ``shape``; the result equals the
+    whole value's slice bit for bit and costs only the slice's elements.
+    """
+    box = [(0, n) for n in shape] if box is None else list(box)
+    rule = init_rule(cfg, name)
+    size = [b - a for a, b in box]
+    if rule == "ones":
+        return torch.ones(size, device=device)
+    if rule == "zeros":
+        return torch.zeros(size, device=device)
+    return normal_box(stream_key("init", seed, name), shape, box, std=rule, device=device)

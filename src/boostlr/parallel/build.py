@@ -1,17 +1,18 @@
 """Build this rank's part of the model without ever holding the whole of it (docs/design.md §4).
 
 Order (torchtitan's): split into pipeline stages -> build each stage on the meta device ->
-materialise only this rank's tensor-parallel shards, each drawn from its parameter's own
-seeded generator (one full parameter at a time) and wrapped as a DTensor on the ``tp`` mesh
-dim (global shape + split dim) -> data parallel (FSDP2) over ``dp``. An untied embedding and
-LM head are the exception under data parallelism: their rows are split over dp as well
-(DTensors on the ``(dp, tp)`` mesh, :mod:`boostlr.parallel.vocab`) and FSDP leaves them
-alone. The result is a list of :class:`TensorParallelModel` stages (more than one under the
-interleaved schedule).
+materialise only this rank's tensor-parallel shards, each drawn alone on the rank's device
+from its parameter's counter-based generator (:mod:`boostlr.models.init`; no full parameter
+is ever drawn) and wrapped as a DTensor on the ``tp`` mesh dim (global shape + split dim)
+-> data parallel (FSDP2) over ``dp``. An untied embedding and LM head are the exception
+under data parallelism: their rows are split over dp as well (DTensors on the ``(dp, tp)``
+mesh, :mod:`boostlr.parallel.vocab`) and FSDP leaves them alone. The result is a list of
+:class:`TensorParallelModel` stages (more than one under the interleaved schedule).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -25,7 +26,7 @@ from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.pipeline import stage_ids, stage_layers
-from boostlr.parallel.sharding import ShardSpec, shard_tensor
+from boostlr.parallel.sharding import ShardSpec, chunk_range, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 
@@ -39,8 +40,11 @@ def build_stages(
     """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped.
 
     ``mark_phase("materialise")`` and ``mark_phase("FSDP wrap")`` close those phases for a
-    memory report.
+    memory report. Each stage's ``build_s`` is the seconds this rank spent building all of
+    them (the first metrics row reports it per rank; on a GPU the draws end with host reads,
+    so the time is the device's too).
     """
+    started = time.perf_counter()
     p = cfg.parallel
     vocab_dp = comms.dp if splits_vocab_over_dp(cfg, comms) else None
     ctx = TPContext.from_config(comms.tp, cfg, vocab_dp=vocab_dp)
@@ -62,6 +66,8 @@ def build_stages(
         for part in stages:
             apply_data_parallel(part, comms, p.dp_mode, cfg.train.dtype)
         mark_phase("FSDP wrap")
+    for part in stages:
+        part.build_s = time.perf_counter() - started
     return stages
 
 
@@ -85,30 +91,32 @@ def materialize(
 ) -> None:
     """Replace every meta parameter by this rank's shard of its seeded initial value.
 
-    Only one full parameter exists at a time, and only on the CPU. A parameter shared by
-    several modules (tied embeddings) is materialised once and put back everywhere.
+    Each shard is drawn by itself on ``device``: the rank never holds (or pays for) the
+    rest of a parameter. A parameter shared by several modules (tied embeddings) is
+    materialised once and put back everywhere.
     """
     tp_mesh, tp, rank = comms.tp_mesh, comms.tp.size, comms.tp.rank
     model = part.model
     replaced: dict[int, nn.Parameter] = {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if id(param) not in replaced:
-            spec = part.specs[name]
-            full = initial_value(part.cfg, name, param.shape, seed)
-            part.full_shapes[name] = full.shape
+            spec, shape = part.specs[name], param.shape
+            part.full_shapes[name] = shape
             if name in VOCAB_PARAMS and part.ctx.vocab_dp_size > 1:
-                value = _vocab_dtensor(full, spec, part, comms, device)
+                value = _vocab_dtensor(name, shape, seed, spec, part, comms, device)
             else:
-                shard = shard_tensor(full, spec, rank, tp).to(device)
-                value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, full.shape)
-            del full
+                box = shard_box(shape, spec, rank, tp)
+                shard = initial_value(part.cfg, name, shape, seed, box, device)
+                value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, shape)
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
 
 
 def _vocab_dtensor(
-    full: torch.Tensor,
+    name: str,
+    shape: torch.Size,
+    seed: int,
     spec: ShardSpec,
     part: TensorParallelModel,
     comms: MeshComms,
@@ -121,19 +129,15 @@ def _vocab_dtensor(
     (BTP's embedding): ``(Shard(0), Shard(1))``; whole over tp: ``(Shard(0), Replicate())``.
     """
     split = part.ctx.vocab_split(rows_over_tp=spec.dim == 0)
-    shard = full[split.start : split.end]
+    cols = (0, shape[1])
     if spec.dim == 1:
-        shard = shard_tensor(shard, spec, comms.tp.rank, comms.tp.size)
+        cols = chunk_range(shape[1], comms.tp.rank, comms.tp.size)
+    shard = initial_value(part.cfg, name, shape, seed, [(split.start, split.end), cols], device)
     tp_placement = Replicate() if spec.dim is None else Shard(spec.dim)
     mesh = comms.mesh["dp", "tp"]
-    stride = torch.empty(full.shape, device="meta").stride()
+    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        shard.clone().to(device),
-        mesh,
-        [Shard(0), tp_placement],
-        run_check=False,
-        shape=full.shape,
-        stride=stride,
+        shard, mesh, [Shard(0), tp_placement], run_check=False, shape=shape, stride=stride
     )
 
 

@@ -40,6 +40,16 @@ def chunk_range(size: int, rank: int, tp: int) -> tuple[int, int]:
     return start, min(start + step, size)
 
 
+def shard_box(
+    shape: torch.Size | tuple[int, ...], spec: ShardSpec, rank: int, tp: int
+) -> list[tuple[int, int]]:
+    """``(start, end)`` per dim of rank's chunk of a tensor of ``shape``: what it initialises."""
+    box = [(0, n) for n in shape]
+    if spec.dim is not None:
+        box[spec.dim] = chunk_range(shape[spec.dim], rank, tp)
+    return box
+
+
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
     """This rank's chunk of ``full`` (a copy)."""
     if spec.dim is None:

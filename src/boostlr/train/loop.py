@@ -13,6 +13,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
@@ -60,6 +61,21 @@ def metrics_row(
     if peak:  # MFU: the job's model FLOP/s over the peak of all its devices
         row["mfu"] = flops_per_s / (peak * cfg.parallel.world_size)
     return row
+
+
+def build_times(state: RunState) -> dict[str, float | list[float]]:
+    """``build_s`` (the slowest rank's) and ``build_s_ranks``: seconds to build each rank's part.
+
+    All ranks gather here once, on the first log step after a start.
+    """
+    mine = max((getattr(s, "build_s", 0.0) for s in state.model.stages), default=0.0)
+    local = torch.tensor([mine], dtype=torch.float64, device=state.device)
+    times = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        times = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(times, local)
+    per_rank = [round(float(t), 3) for t in times]
+    return {"build_s": max(per_rank), "build_s_ranks": per_rank}
 
 
 def evaluate(
@@ -131,6 +147,8 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
             row = None
             if step % t.log_every == 0 or last or step == start + 1:
                 row = metrics_row(state, step, lr, window, phases)
+                if step == start + 1:
+                    row.update(build_times(state))
                 loss_value = float(row["loss"])
                 if metrics is not None:
                     metrics.write(row)
