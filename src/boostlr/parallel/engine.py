@@ -52,7 +52,7 @@ class ParallelModel:
         """Distributed when a default process group exists, else the single-device model.
 
         Every layout, one process included, builds on the meta device and materialises each
-        parameter from its own seeded generator, so initial values never depend on layout.
+        parameter as a counter-based draw of (seed, name, index), so values never depend on layout.
         """
         if dist.is_initialized():
             comms = build_mesh(cfg.parallel, device)

@@ -87,7 +87,7 @@ def restart_attempt() -> int:
 
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = True) -> TrainResult:
-    """Run (or continue) training into ``run_dir``; see docs/checkpoints.md for the run-directory contract."""
+    """Run (or continue) training into ``run_dir`` (the run directory: docs/checkpoints.md)."""
     require_packages(cfg.train)  # here, not in validate(): plan needs no tensorboard
     device = resolve_device(cfg.parallel.device)
     if cfg.train.compile:
