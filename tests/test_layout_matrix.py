@@ -8,11 +8,13 @@ layout's current weights first), so no check compares two diverging trajectories
 * float32: the loss and the gradient norm to 1e-5 relative, the gradients within
   :func:`fp32_noise.layout_bound` of float64 (the single device's own fp32 error, measured).
 * bfloat16: the same rule with the one-device *bf16* run as the yardstick. At every step the
-  one-device bf16 model's own error against float64 is measured (gradients and loss), and the
-  layout's error against float64 may be :data:`BF16_FACTOR` times it. Both runs round the
-  same quantities to 8 bits (docs/precision.md) in a different order, so their errors are of
-  one size; a layout that rounds something the contract keeps in fp32 (the residual, the
-  norm statistics) or a wrong slice is off by far more.
+  one-device bf16 model's own gradient error against float64 is measured, and the layout's
+  may be :data:`BF16_FACTOR` times it (the gradient norm likewise). Both runs round the same
+  quantities to 8 bits (docs/precision.md) in another order, so their errors are of one size;
+  a wrong slice, a missing reduction or a garbled boundary is off by far more. The loss, a
+  mean of fp32 log-softmaxes of bf16 logits, must agree with the one-device bf16 loss to one
+  bf16 rounding (:data:`BF16_LOSS_TOL`). Whether a layout keeps what the contract keeps in
+  fp32 is tested where it shows: tests/test_precision.py.
 
 Worlds of 2, 4 and 8 ranks each run their whole share of the matrix in one process group
 (a fresh mesh per configuration): spawning is the expensive part on CI's two cores.
@@ -67,9 +69,10 @@ LOSS_TOL = 1e-5  # fp32: |loss - loss_ref| / |loss_ref| from identical weights
 # partial sums (BTP's partials before their all-reduce) while a layout that keeps the residual
 # or a statistic in bf16 shows as a multiple of it.
 BF16_FACTOR = 4.0
-# A one-device bf16 loss that happens to land on the float64 value must not make the bound
-# zero: one bf16 rounding of the loss (8 significant bits) is the smallest error it can have.
-BF16_LOSS_FLOOR = 2.0**-8
+# The loss's own error is a sum of many per-token roundings: one sample of it is too noisy a
+# yardstick (two such samples differ by 4x one time in six), so the loss gets bf16's relative
+# precision, one rounding of an 8-bit significand.
+BF16_LOSS_TOL = 2.0**-8
 
 
 def matrix_cases(world: int) -> list[tuple[str, object]]:
@@ -156,9 +159,7 @@ def check(label: str, cfg, report: dict) -> None:
         if bf16:
             bound = BF16_FACTOR * s["single64"]
             assert s["layout64"] <= bound, (label, "gradients", s["layout64"], s["single64"])
-            single = max(abs(s["ref_loss"] - s["loss64"]), BF16_LOSS_FLOOR * abs(s["loss64"]))
-            err = abs(s["loss"] - s["loss64"])
-            assert err <= BF16_FACTOR * single, (label, "loss", s)
+            assert abs(s["loss"] - s["ref_loss"]) <= BF16_LOSS_TOL * abs(s["ref_loss"]), (label, s)
             assert abs(s["norm"] - s["ref_norm"]) <= BF16_FACTOR * s["single64"] * s["ref_norm"]
         else:
             assert abs(s["loss"] - s["ref_loss"]) <= LOSS_TOL * abs(s["ref_loss"]), (label, s)
