@@ -106,11 +106,12 @@ def follow(cfg, steps: int) -> dict:
     mine = slice(dp_rank * b, (dp_rank + 1) * b)
     inputs, targets = global_batch(cfg)  # one batch throughout: the loss must fall
     report: dict = {"steps": []}
-    for _ in range(steps):
-        weights = _gather_full_weights(model)
-        with torch.no_grad():
-            for name, p in ref_params.items():
-                p.copy_(weights[name])
+    for step in range(steps):
+        if step:  # before the first step both hold the seeded init (layout-free by design)
+            weights = _gather_full_weights(model)
+            with torch.no_grad():
+                for name, p in ref_params.items():
+                    p.copy_(weights[name])
         ref.zero_grad()
         with autocast:
             ref_loss = ref(inputs, targets)
