@@ -98,13 +98,15 @@ def tp_comm_volume(
         calls_bwd = L * block_calls_bwd + head
     elif strategy == "btp":
         r = cfg.rank
-        block_fwd = (T * 7 * r + 2 * T) * a  # seven [T, r] latents + two [T, 1] statistics
+        # Seven [T, r] latents + two norms' [T, 1] statistics in fp32 precision (under bf16
+        # a hi/lo pair of bf16 columns: the same bytes).
+        block_fwd = T * 7 * r * a + 2 * T * FP32
         block_bwd = T * 7 * r * a
         block_calls_fwd, block_calls_bwd = (4, 4) if grouping else (7, 7)
         if norm == "sync":
             block_calls_fwd += 2  # the statistics travel on their own
-        # gather of the last hidden state and the final norm gain
-        final = head * (T * d + d) * FP32
+        # gather of the last hidden state (fp32 residual) and the final norm gain (as used)
+        final = head * (T * d * FP32 + d * a)
         fwd = L * block_fwd + final + head * ce_fwd
         calls_fwd = L * block_calls_fwd + head * (2 + ce_calls)
         bwd = L * block_bwd + final  # their reduce-scatters
@@ -140,19 +142,16 @@ def pp_send_bytes(
     A stage sends its output activations forward (unless last) and its input gradients
     back (unless first), once per pipeline micro-batch of ``micro_tokens`` tokens: the
     residual (BTP: this rank's ``d/t`` slice; else the whole ``d``) in fp32, plus LaX's seven
-    ``[T, r]`` latents. Forward, a latent travels in the dtype its stage made it in: under
-    bf16 autocast BTP's five down-projection latents that leave the online norm are fp32, its
-    o and down latents (plain all-reduced partials) and every other strategy's are bf16.
-    Backward, every gradient is fp32: the receiving stage's buffers are allocated in fp32.
+    ``[T, r]`` latents in the compute dtype (``act_size``), as
+    ``boostlr.parallel.tensor_parallel.boundary_dtypes`` declares; each gradient travels
+    back in its activation's dtype.
     """
     d = cfg.dim // tp if strategy == "btp" else cfg.dim
     residual = micro_tokens * d * FP32
     fwd = bwd = residual
     if cfg.arch == "lax":
-        latent = micro_tokens * cfg.rank
-        wide = 5 if strategy == "btp" else 0  # q, k, v, gate, up after the online norm
-        fwd += latent * (wide * FP32 + (7 - wide) * act_size)
-        bwd += 7 * latent * FP32
+        fwd += 7 * micro_tokens * cfg.rank * act_size
+        bwd += 7 * micro_tokens * cfg.rank * act_size
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 

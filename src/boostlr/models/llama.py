@@ -199,7 +199,8 @@ class Embedding(nn.Embedding):
     ) -> torch.Tensor:
         if impl is not None:
             return impl(self, tokens)
-        return F.embedding(tokens, local(self.weight))
+        # The residual stream is fp32 whatever the rows were looked up in (docs/precision.md).
+        return F.embedding(tokens, local(self.weight)).float()
 
 
 class LMHead(nn.Linear):

@@ -6,10 +6,25 @@ docs/design.md §4) while the forward is the hand-written per-rank math: it read
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 
 def local(p: Tensor) -> Tensor:
-    """This rank's tensor of ``p`` (``p`` itself when it is not a DTensor)."""
-    return p.to_local() if isinstance(p, DTensor) else p
+    """This rank's tensor of ``p`` (``p`` itself when it is not a DTensor), as the forward
+    uses it: under autocast, its copy in the autocast dtype.
+
+    Every forward reads its parameters through here, so every parameter is used as a bf16
+    copy under bf16 whatever the layout (docs/precision.md): FSDP's mixed precision hands
+    bf16 copies to the units it gathers at dp > 1, and this cast does the same where nothing
+    gathers (dp 1, the vocabulary tables split over dp). The fp32 master stays what the
+    optimizer updates; its gradient is accumulated in fp32.
+    """
+    t = p.to_local() if isinstance(p, DTensor) else p
+    device = t.device.type
+    if t.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if t.dtype != dtype:
+            return t.to(dtype)
+    return t

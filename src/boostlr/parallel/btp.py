@@ -9,7 +9,8 @@ Companions implemented here:
 
 * online-RMSNorm: a norm in front of an A is folded into it. Each rank pre-normalises its
   slice by its local rms (keeps bf16 in range), multiplies the rms back after the GEMM and
-  sends ``[p | Σx²]`` in the *same* all-reduce; ``y = p / sqrt(Σx²/d + eps)`` afterwards.
+  sends ``[p | Σx²]`` in the *same* all-reduce (Σx² in fp32 precision: as a hi/lo pair of
+  bf16 columns under bf16); ``y = p / sqrt(Σx²/d + eps)`` afterwards.
   ``norm="sync"`` sends the statistics in a separate all-reduce (ablation).
 * linear-layer grouping: ``[A_q|A_k|A_v]`` and ``[A_gate|A_up]`` are one GEMM and one
   all-reduce; same-shaped up-projections run as one batched GEMM.
@@ -19,6 +20,8 @@ Companions implemented here:
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -135,36 +138,69 @@ def _norm_down_partial(
     return (ss, *(p.float() * local_rms for p in _down(y, downs, grouped)))
 
 
+def stats_hi_bits(tp: int) -> int:
+    """Significant bits of the high part of :func:`split_stats`: ``tp`` such parts whose
+    sizes differ by up to 4x add up exactly in bf16's 8 bits."""
+    return max(1, 8 - 2 - math.ceil(math.log2(tp)))
+
+
+def split_stats(ss: Tensor, dtype: torch.dtype, tp: int) -> Tensor:
+    """``Σx²`` ``[T, 1]`` (fp32) as the columns that ride in the partials' all-reduce.
+
+    In fp32: itself. In bf16 (8 significant bits): a hi/lo pair. ``hi`` keeps only
+    :func:`stats_hi_bits` bits, so the all-reduce adds the ``tp`` ranks' ``hi`` exactly, and
+    ``lo = Σx² - hi`` carries the next 8 bits: the sum is good to about
+    ``2^-(hi_bits + 9)`` relative instead of bf16's ``2^-9`` per rounding, while the
+    statistics keep riding in the one all-reduce of the partials (one dtype, the same
+    ``[T, 2]`` columns on every rank). Gradients reach ``Σx²`` through ``lo`` (``hi`` is a
+    rounding of it, held constant).
+    """
+    if dtype == torch.float32:
+        return ss
+    bits = stats_hi_bits(tp)
+    mantissa, exponent = torch.frexp(ss.detach())
+    hi = torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent)
+    return torch.cat([hi, ss - hi], -1).to(dtype)
+
+
+def join_stats(columns: Tensor) -> Tensor:
+    """The all-reduced :func:`split_stats` columns back to one fp32 ``Σx²`` ``[T, 1]``."""
+    return columns.float().sum(-1, keepdim=True)
+
+
 def _reduce_norm_down(
     parts: tuple[Tensor, ...], dim: int, eps: float, ctx: TPContext, tag: str
 ) -> list[Tensor]:
     """All-reduce the partials (stats riding along unless ``norm=sync``), then normalise.
 
-    The payload travels in the compute dtype (bf16 under autocast, statistics included, as
-    the cost model's byte counts assume); the normalisation itself is done in fp32. At TP 1 the
-    parts already are the normalised projections.
+    The partials travel in the compute dtype (bf16 under autocast); the statistics in fp32
+    precision (:func:`split_stats`: a hi/lo pair of bf16 columns in the same all-reduce; with
+    ``norm=sync``, their own fp32 all-reduce); the normalisation itself is done in fp32. At
+    TP 1 the parts already are the normalised projections.
     """
     if ctx.comm.size == 1:
         return list(parts)
-    ss, partials = wire(parts[0]), [wire(p) for p in parts[1:]]
+    partials = [wire(p) for p in parts[1:]]
     sizes = [p.shape[-1] for p in partials]
     comm = ctx.comm
     if ctx.norm == "sync":
-        ss = reduce_from_group(ss, comm, f"{tag}.norm_stats")
+        ss = reduce_from_group(parts[0].float(), comm, f"{tag}.norm_stats")
         if ctx.grouping:
             partials = list(reduce_from_group(torch.cat(partials, -1), comm, tag).split(sizes, -1))
         else:
             partials = [reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials)]
-    elif ctx.grouping:
-        packed = reduce_from_group(torch.cat([*partials, ss], -1), comm, tag)
-        *partials, ss = packed.split([*sizes, 1], -1)
+        return list(_Normalise.apply(dim, eps, ss, *partials))
+    stats = split_stats(parts[0].float(), partials[0].dtype, comm.size)
+    if ctx.grouping:
+        packed = reduce_from_group(torch.cat([*partials, stats], -1), comm, tag)
+        *partials, stats = packed.split([*sizes, stats.shape[-1]], -1)
     else:  # the statistics ride with the first down-projection's all-reduce
-        first = reduce_from_group(torch.cat([partials[0], ss], -1), comm, f"{tag}.0")
-        partials[0], ss = first.split([sizes[0], 1], -1)
+        first = reduce_from_group(torch.cat([partials[0], stats], -1), comm, f"{tag}.0")
+        partials[0], stats = first.split([sizes[0], stats.shape[-1]], -1)
         partials[1:] = [
             reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials[1:], 1)
         ]
-    return list(_Normalise.apply(dim, eps, ss, *partials))
+    return list(_Normalise.apply(dim, eps, join_stats(stats), *partials))
 
 
 class _Normalise(torch.autograd.Function):

@@ -15,6 +15,11 @@ from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.vocab import VocabSplit, vocab_split
 
 
+def compute_dtype(name: str) -> torch.dtype:
+    """``train.dtype`` as a torch dtype."""
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
 def wire(t: torch.Tensor) -> torch.Tensor:
     """Cast an activation to the autocast dtype before it (or its gradient) is communicated.
 
@@ -43,6 +48,9 @@ class TPContext:
     # The data-parallel group the embedding's and the LM head's rows are split over (instead
     # of FSDP gathering them): :mod:`boostlr.parallel.vocab`. ``None``: not split over dp.
     vocab_dp: GroupComm | None = None
+    # train.dtype: the dtype of GEMM inputs and activation collectives (docs/precision.md).
+    # The residual stream, master weights and statistics are fp32 whatever it is.
+    dtype: torch.dtype = torch.float32
 
     @classmethod
     def from_config(
@@ -60,6 +68,7 @@ class TPContext:
             compile=cfg.train.compile,
             tp_overlap=p.tp_overlap,
             fused_loss=cfg.train.fused_loss,
+            dtype=compute_dtype(cfg.train.dtype),
         )
 
     @property

@@ -221,17 +221,19 @@ class _RecordedReduceScatter(DefaultReduceScatter):
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
-    """FSDP2's policy for ``train.dtype``.
+    """FSDP2's policy for ``train.dtype`` (docs/precision.md).
 
     bfloat16: parameters are all-gathered and computed in bf16 (half the bytes and half the
     gathered memory), gradients reduced in fp32; the sharded fp32 parameters stay the master
-    weights the optimizer updates. The stage's outputs are fp32, as a pipeline boundary
-    expects. float32: FSDP's default, no casts.
+    weights the optimizer updates. Inputs and outputs are left alone: the residual stream a
+    unit receives is fp32 and stays fp32, as at dp 1 (FSDP's default would cast it to bf16
+    at every block), and a stage's outputs already are in their declared boundary dtypes.
+    float32: FSDP's default, no casts.
     """
     if dtype != "bfloat16":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
 
 
@@ -253,13 +255,8 @@ def apply_data_parallel(
     ignored = {m.weight for m in vocab if m is not None} if split else None
     own = [] if split or model.cfg.tie_embeddings else [m for m in vocab if m is not None]
     modules = [*model.layers.values(), *own, part]
-    block_policy = mixed_precision(dtype)
-    # Only the stage's own outputs go back to fp32; blocks hand bf16 to each other.
-    block_policy = MixedPrecisionPolicy(
-        param_dtype=block_policy.param_dtype, reduce_dtype=block_policy.reduce_dtype
-    )
+    policy = mixed_precision(dtype)  # the same for every unit: no unit casts activations
     for module in modules:
-        policy = mixed_precision(dtype) if module is part else block_policy
         fully_shard(
             module,
             mesh=comms.dp_mesh,

@@ -4,14 +4,15 @@ The unfused path keeps the logits, their fp32 copy, the log-softmax and a zero-f
 gradient, each ``[N, V]``: at a 32k vocabulary that is most of a small model's activation
 memory and several passes over it. Here the head GEMM writes each chunk of rows into one
 buffer, which one fused log-softmax kernel per chunk turns into the gradient
-``softmax − onehot`` (its 1/N is applied to the narrow operands in the backward); the
-backward is two GEMMs on that buffer. One buffer in the compute dtype is all that is kept.
+``softmax − onehot`` (computed in fp32, rounded once; its 1/N is applied to the narrow
+operands in the backward); the backward is two GEMMs on that buffer. One buffer in the
+compute dtype is all that is kept.
 
 With the vocabulary split over ranks (:class:`~boostlr.parallel.vocab.VocabSplit`), each
-rank turns its slice into a *local* softmax and combines the per-row log-sum-exps with the
-same three ``[N]`` all-reduces per group as
-:func:`boostlr.parallel.vocab.vocab_parallel_cross_entropy` (a max, a sum of exponentials,
-the target logit); the local softmax is then rescaled to the global one. The backward needs
+rank computes its slice's log-sum-exps and combines them with the same three ``[N]``
+all-reduces per group as :func:`boostlr.parallel.vocab.vocab_parallel_cross_entropy` (a max,
+a sum of exponentials, the target logit); a second pass over the buffer (which holds the
+logits until then) turns each chunk into its slice of the global softmax. The backward needs
 no communication. Same math as the unfused path; only the order of floating-point sums
 differs.
 """
@@ -68,8 +69,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             inside = (targets >= start) & (targets < end)
             local_t = (targets - start).masked_fill(~inside, 0)
             target_logit = torch.zeros(n, dtype=torch.float32, device=h.device)
-            for r0 in range(0, n, rows) if cols else ():
-                r1 = min(r0 + rows, n)
+            chunks = [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)] if cols else []
+            for r0, r1 in chunks:
                 logits = torch.mm(h_c[r0:r1], w_c.t(), out=grad[r0:r1])
                 # One fused row-wise kernel (fp32 math); its exp is the local softmax.
                 log_p = torch.log_softmax(logits, -1, dtype=torch.float32)
@@ -78,8 +79,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 if split_over_ranks:  # this slice's log-sum-exp, exactly: max - log p(max)
                     top, arg = logits.max(-1, keepdim=True)
                     lse[r0:r1] = (top.float() - log_p.gather(-1, arg))[:, 0]
-                if grads:
-                    torch.exp(log_p, out=logits)
+                elif grads:  # the log-sum-exp is the global one already
+                    _store_gradient(logits, log_p, local_t[r0:r1], inside[r0:r1])
             if split_over_ranks:
                 # target_logit holds log p_local(t) = l_t - lse on the owning rank.
                 row_max = combine_(lse.clone(), split, "ce_max", op=dist.ReduceOp.MAX)
@@ -88,13 +89,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 combine_(target_shifted, split, "ce_target")
                 log_sum = sum_exp.log()
                 loss = (log_sum - target_shifted).mean()
-                if cols and grads:  # local softmax -> this slice of the global one
-                    grad.mul_((lse - row_max - log_sum).exp().unsqueeze(-1))
+                if grads:  # the buffer holds logits: this slice of the global softmax, in fp32
+                    global_lse = (row_max + log_sum).unsqueeze(-1)
+                    for r0, r1 in chunks:
+                        logits = grad[r0:r1]
+                        log_p = logits.float().sub_(global_lse[r0:r1])
+                        _store_gradient(logits, log_p, local_t[r0:r1], inside[r0:r1])
             else:
                 loss = -target_logit.mean()
-            if cols and grads:  # softmax - onehot; the mean's 1/n is applied in the backward
-                every_row = torch.arange(n, device=h.device)
-                grad[every_row, local_t] -= inside.to(dtype)
         ctx.save_for_backward(grad, h, w_c)
         ctx.w_dtype, ctx.w_rows = weight.dtype, weight.shape[0]
         return loss
@@ -108,6 +110,19 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if grad_w.shape[0] != ctx.w_rows:  # rows past the vocabulary get no gradient
             grad_w = F.pad(grad_w, (0, 0, 0, ctx.w_rows - grad_w.shape[0]))
         return grad_h, grad_w, None, None, None
+
+
+def _store_gradient(out: Tensor, log_p: Tensor, local_t: Tensor, inside: Tensor) -> None:
+    """``softmax - onehot`` of one chunk, computed in fp32 and rounded to ``out``'s dtype once.
+
+    Subtracting the one-hot after rounding would lose the gradient of a confident token
+    (bf16 rounds a probability of 0.999 to 1): the loss's statistics and its gradient are
+    fp32 until they become a GEMM input (docs/precision.md). ``log_p`` is consumed.
+    """
+    p = log_p.exp_()
+    rows = torch.arange(p.shape[0], device=p.device)
+    p[rows, local_t] -= inside.to(p.dtype)
+    out.copy_(p)
 
 
 def head_cross_entropy(

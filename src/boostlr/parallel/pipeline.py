@@ -3,7 +3,9 @@
 Layers are split evenly into stages: the embedding on the first, final norm + head on the
 last (the loss is the vocab-parallel cross-entropy of the last stage's logits). A stage
 boundary carries the residual (BTP: this rank's ``[mb, s, d/t]`` slice; Megatron/vanilla:
-the replicated ``[mb, s, d]``) plus, for LaX, the seven latents in ``LATENT_NAMES`` order.
+the replicated ``[mb, s, d]``) plus, for LaX, the seven latents in ``LATENT_NAMES`` order,
+each in the dtype :func:`~boostlr.parallel.tensor_parallel.boundary_dtypes` declares: the
+stage casts its outputs to it, and the receive buffers here are allocated in it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from torch.distributed.pipelining._backward import stage_backward
 from boostlr.config import ParallelConfig, RunConfig
 from boostlr.models.params import local
 from boostlr.parallel.collectives import GroupComm
-from boostlr.parallel.tensor_parallel import LATENT_NAMES, TensorParallelModel
+from boostlr.parallel.context import compute_dtype
+from boostlr.parallel.tensor_parallel import (
+    LATENT_NAMES,
+    TensorParallelModel,
+    boundary_dtypes,
+)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -50,6 +57,18 @@ def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:
     if m.arch == "lax":
         shapes += [torch.Size((micro, s, m.rank))] * len(LATENT_NAMES)
     return shapes
+
+
+def boundary_buffers(
+    cfg: RunConfig, micro: int, tp: int, device: torch.device, requires_grad: bool = False
+) -> tuple[Tensor, ...]:
+    """Zeroed tensors shaped and typed as what crosses a stage boundary (the declaration of
+    :func:`boundary_shapes` and :func:`~boostlr.parallel.tensor_parallel.boundary_dtypes`)."""
+    dtypes = boundary_dtypes(cfg.model.arch, compute_dtype(cfg.train.dtype))
+    return tuple(
+        torch.zeros(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        for shape, dtype in zip(boundary_shapes(cfg, micro, tp), dtypes, strict=True)
+    )
 
 
 class _RecordGradSend(torch.autograd.Function):
@@ -151,7 +170,8 @@ class Pipeline:
         self.parts, self.pp, self.ids = stages, pp, stage_ids(p, pp.rank)
         self.num_stages = p.num_stages
         self.micro = cfg.train.batch_size // p.pp_microbatches
-        self.boundary = boundary_shapes(cfg, self.micro, stages[0].ctx.comm.size)
+        self.cfg, self.tp = cfg, stages[0].ctx.comm.size
+        self.seq_len = cfg.data.seq_len
         self.loss_scale = loss_scale
         self.losses: list[Tensor] = []
         pipeline_stages = []
@@ -186,17 +206,18 @@ class Pipeline:
 
     def _example_inputs(self, sid: int, device: torch.device) -> tuple[Tensor, ...]:
         if sid == 0:
-            return (torch.zeros(self.micro, self.boundary[0][1], dtype=torch.long, device=device),)
+            return (torch.zeros(self.micro, self.seq_len, dtype=torch.long, device=device),)
         # Received activations need gradients: the stage sends their grads back.
-        return tuple(torch.zeros(s, device=device, requires_grad=True) for s in self.boundary)
+        return boundary_buffers(self.cfg, self.micro, self.tp, device, requires_grad=True)
 
     def _example_outputs(self, sid: int, part: TensorParallelModel, device) -> tuple[Tensor, ...]:
         if sid < self.num_stages - 1:  # requires_grad: the next stage sends their grads
-            return tuple(torch.zeros(s, device=device, requires_grad=True) for s in self.boundary)
+            return boundary_buffers(self.cfg, self.micro, self.tp, device, requires_grad=True)
         vocab = local(part.model.lm_head.weight).shape[0]
-        # With the vocabulary split over dp, the logits are every dp rank's tokens.
+        # With the vocabulary split over dp, the logits are every dp rank's tokens (the last
+        # stage's output stays on its rank: the loss takes it, nothing receives it).
         rows = self.micro * part.ctx.vocab_dp_size
-        return (torch.zeros(rows, self.boundary[0][1], vocab, device=device),)
+        return (torch.zeros(rows, self.seq_len, vocab, dtype=part.ctx.dtype, device=device),)
 
     def _loss_fn(self, last: TensorParallelModel) -> Callable[[Tensor, Tensor], Tensor]:
         def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
@@ -229,7 +250,7 @@ def evaluate_pipeline(
     """
     by_id = dict(zip(stage_ids(cfg.parallel, pp.rank), stages, strict=True))
     num_stages = cfg.parallel.num_stages
-    shapes = boundary_shapes(cfg, inputs.shape[0], stages[0].ctx.comm.size)
+    tp = stages[0].ctx.comm.size
     out: tuple[Tensor, ...] = ()
     loss = torch.zeros((), device=inputs.device)
     for sid in range(num_stages):
@@ -241,7 +262,7 @@ def evaluate_pipeline(
         elif sid - 1 in by_id:
             args = out
         else:
-            args = tuple(torch.empty(s, device=inputs.device) for s in shapes)
+            args = boundary_buffers(cfg, inputs.shape[0], tp, inputs.device)
             for t in args:
                 dist.recv(t, group_src=(sid - 1) % pp.size, group=pp.group)
         result = part(*args)
@@ -250,8 +271,8 @@ def evaluate_pipeline(
         else:
             out = result if isinstance(result, tuple) else (result,)
             if sid + 1 not in by_id:
-                for t in out:
-                    dist.send(t.float().contiguous(), group_dst=(sid + 1) % pp.size, group=pp.group)
+                for t in out:  # already as declared (TensorParallelModel.forward)
+                    dist.send(t, group_dst=(sid + 1) % pp.size, group=pp.group)
     last_rank = (num_stages - 1) % pp.size
     loss = loss.reshape(1).contiguous()
     dist.broadcast(loss, group_src=last_rank, group=pp.group)

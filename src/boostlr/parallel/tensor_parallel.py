@@ -30,6 +30,26 @@ from boostlr.parallel.vocab import gather_batch, vocab_parallel_cross_entropy
 
 STRATEGIES: dict[str, ModuleType] = {"megatron": megatron, "vanilla": vanilla, "btp": btp}
 LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The residual stream's dtype, at every layout and under every ``train.dtype``.
+RESIDUAL_DTYPE = torch.float32
+
+
+def boundary_dtypes(arch: str, dtype: torch.dtype) -> list[torch.dtype]:
+    """What crosses a pipeline stage boundary, in :meth:`TensorParallelModel.forward`'s order.
+
+    The residual stays fp32 (docs/precision.md); LaX's latents travel in the compute dtype
+    ``dtype``: the next block only uses them as the input of its gate's GEMM, which rounds
+    them to that dtype anyway, so one or two stages compute the same numbers. The sender
+    (:func:`to_boundary`) and the receive buffers (:mod:`boostlr.parallel.pipeline`) both
+    follow this list: a send and its receive must agree on dtype and shape (on NCCL a
+    mismatch is not an error: it hangs or delivers garbage).
+    """
+    return [RESIDUAL_DTYPE] + ([dtype] * len(LATENT_NAMES) if arch == "lax" else [])
+
+
+def to_boundary(outputs: tuple[Tensor, ...], dtypes: list[torch.dtype]) -> tuple[Tensor, ...]:
+    """A stage's outputs as declared: each contiguous (p2p sends need it) in its dtype."""
+    return tuple(t.to(dt).contiguous() for t, dt in zip(outputs, dtypes, strict=True))
 
 
 class TensorParallelModel(nn.Module):
@@ -76,6 +96,7 @@ class TensorParallelModel(nn.Module):
             tokens, *rest = inputs
             targets = rest[0] if rest else targets
             x = self.model.embed_tokens(tokens, impl=lambda _, t: s.embed(self.model, t, ctx))
+            x = x.to(RESIDUAL_DTYPE)
             z = None
         else:
             x, *zs = inputs
@@ -85,7 +106,9 @@ class TensorParallelModel(nn.Module):
             with torch.profiler.record_function(f"block.{index}"):
                 x, z = block(x, rope, z, impl=self._block_impl)
         if not self.model.last:
-            return (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else x
+            outputs = (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else (x,)
+            sent = to_boundary(outputs, boundary_dtypes(self.cfg.arch, ctx.dtype))
+            return sent if self.cfg.arch == "lax" else sent[0]
         h = s.head_input(self.model, x, ctx)
         return self.model.lm_head(h, impl=lambda lm_head, h_: self._head(lm_head, h_, targets))
 

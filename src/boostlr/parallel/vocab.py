@@ -130,6 +130,9 @@ def vocab_parallel_embedding(
         outside = (tokens < split.start) | (tokens >= split.end)
         local = (tokens - split.start).masked_fill(outside, 0)
         out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    # The start of the fp32 residual stream (docs/precision.md), whatever dtype the rows are
+    # used in; its sums over dp and tp below add one row to zeros: exact in any dtype.
+    out = out.float()
     if dp_size > 1:
         out = reduce_scatter_to_group(out, dp, "embed", dim=0)
         if out.requires_grad:

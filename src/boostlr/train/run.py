@@ -46,7 +46,7 @@ from boostlr.rundir.resume import prepare_run_dir
 from boostlr.rundir.verify import CollectiveTimeout
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
-from boostlr.train.loop import run_steps
+from boostlr.train.loop import run_steps, split_validation
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.metrics import truncate_after
 from boostlr.train.optim import build_optimizer, init_optimizer_state
@@ -222,20 +222,19 @@ def _train_rank(
         loader = BatchLoader(
             train_ds, t.batch_size, seq, t.seed, dp.rank, dp.size, t.grad_accum, device
         )
-        # The validation set is layout-free: the first val_batches x global batch windows of the
-        # split, in batch_size batches dealt round-robin to the data-parallel ranks.
+        # The validation set: the first val_batches x global batch windows of the split, in
+        # batch_size batches dealt round-robin to the data-parallel ranks. Every rank evaluates
+        # as many batches of the same shape (collectives over dp: FSDP's gathers, the
+        # vocabulary split's); the windows that do not fill that are counted, not evaluated.
         per_global = t.grad_accum * dp.size
         val_data = val_batches(val_ds, t.batch_size, seq, cfg.data.val_batches * per_global, device)
-        # Every data-parallel rank evaluates the same number of batches: FSDP's gathers are
-        # collectives, so one extra batch on one rank would wait for the others forever.
-        usable = len(val_data) // dp.size * dp.size
+        val_data, usable = split_validation(val_data, t.batch_size, dp.size, dp.rank)
         if usable == 0:
             raise DataError(
-                f"the validation split has {len(val_data)} batch(es) of {t.batch_size} x {seq} "
-                f"tokens, fewer than the {dp.size} data-parallel ranks: prepare more validation "
+                f"the validation split has fewer whole batches of {t.batch_size} x {seq} "
+                f"tokens than the {dp.size} data-parallel ranks: prepare more validation "
                 "data (--val-fraction), or lower --train.batch_size or --data.seq_len"
             )
-        val_data = val_data[:usable][dp.rank :: dp.size]
         # Fused AdamW on this rank's parameters: one kernel per step, DTensor shards included.
         optimizer = build_optimizer(model.parameters(), t)
         init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys

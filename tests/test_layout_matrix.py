@@ -1,0 +1,210 @@
+"""Every arch x every layout family x float32/bfloat16 against one device, a few steps each.
+
+Archs: full (megatron), svd, cola, lax (btp) and cola under vanilla. Layout families: tp2,
+dp2, pp2, the interleaved pipeline, pp2 x tp2, pp2 x dp2, dp2 x tp2 and pp2 x dp2 x tp2 with
+both dp modes. Every step starts from identical weights (the single-device model takes the
+layout's current weights first), so no check compares two diverging trajectories.
+
+* float32: the loss and the gradient norm to 1e-5 relative, the gradients within
+  :func:`fp32_noise.layout_bound` of float64 (the single device's own fp32 error, measured).
+* bfloat16: the same rule with the one-device *bf16* run as the yardstick. At every step the
+  one-device bf16 model's own gradient error against float64 is measured, and the layout's
+  may be :data:`BF16_FACTOR` times it (the gradient norm likewise). Both runs round the same
+  quantities to 8 bits (docs/precision.md) in another order, so their errors are of one size;
+  a wrong slice, a missing reduction or a garbled boundary is off by far more. The loss, a
+  mean of fp32 log-softmaxes of bf16 logits, must agree with the one-device bf16 loss to one
+  bf16 rounding (:data:`BF16_LOSS_TOL`). Whether a layout keeps what the contract keeps in
+  fp32 is tested where it shows: tests/test_precision.py.
+
+Worlds of 2, 4 and 8 ranks each run their whole share of the matrix in one process group
+(a fresh mesh per configuration): spawning is the expensive part on CI's two cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from contextlib import nullcontext
+
+import pytest
+import torch
+from distributed import run_distributed
+from fp32_noise import layout_bound, relative_error
+from parallel_cases import _gather_full_weights, full_grad, global_batch, layout_config
+
+from boostlr.analysis.comm import pp_send_bytes
+from boostlr.config import build_config
+from boostlr.errors import ConfigError
+from boostlr.models.llama import build_model
+from boostlr.parallel.engine import ParallelModel
+from boostlr.train.optim import build_optimizer
+
+pytestmark = pytest.mark.slow
+
+ARCHS = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("lax", "btp"), ("cola", "vanilla")]
+# (label, pp, dp, tp, extra): every layout family the config accepts.
+LAYOUTS = {
+    2: [
+        ("tp2", 1, 1, 2, {}),
+        ("dp2", 1, 2, 1, {}),
+        ("pp2", 2, 1, 1, {}),
+        ("pp2 interleaved", 2, 1, 1, {"parallel.pp_schedule": "interleaved"}),
+    ],
+    4: [
+        ("pp2tp2", 2, 1, 2, {}),
+        ("pp2dp2", 2, 2, 1, {}),
+        ("dp2tp2", 1, 2, 2, {}),
+    ],
+    8: [
+        ("pp2dp2tp2 fsdp", 2, 2, 2, {"parallel.dp_mode": "fsdp"}),
+        ("pp2dp2tp2 ddp", 2, 2, 2, {"parallel.dp_mode": "ddp"}),
+    ],
+}
+DTYPES = ("float32", "bfloat16")
+STEPS = 2
+LOSS_TOL = 1e-5  # fp32: |loss - loss_ref| / |loss_ref| from identical weights
+# bf16: a layout's error against float64 over the one-device bf16 model's own error (both
+# measured at the same step). Two roundings of the same quantities in another order differ
+# by about the size of either; the factor leaves room for the layout rounding a few more
+# partial sums (BTP's partials before their all-reduce) while a layout that keeps the residual
+# or a statistic in bf16 shows as a multiple of it.
+BF16_FACTOR = 4.0
+# The loss's own error is a sum of many per-token roundings: one sample of it is too noisy a
+# yardstick (two such samples differ by 4x one time in six), so the loss gets bf16's relative
+# precision, one rounding of an 8-bit significand.
+BF16_LOSS_TOL = 2.0**-8
+
+
+def matrix_cases(world: int) -> list[tuple[str, object]]:
+    cases = []
+    for (name, pp, dp, tp, extra), (arch, strategy), dtype in itertools.product(
+        LAYOUTS[world], ARCHS, DTYPES
+    ):
+        cfg = layout_config(arch, strategy, pp, dp, tp, **{"train.dtype": dtype, **extra})
+        cases.append((f"{name} {arch} {strategy} {dtype}", cfg))
+    return cases
+
+
+def _exact(ref: torch.nn.Module, inputs, targets) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of a float64 copy of the single-device model."""
+    exact = copy.deepcopy(ref).double()
+    exact.zero_grad(set_to_none=True)
+    loss = exact(inputs, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in exact.named_parameters()}
+
+
+def follow(cfg, steps: int) -> dict:
+    """``steps`` clipped AdamW steps of the layout, each against one device (same dtype)."""
+    model = ParallelModel.build(cfg, torch.device("cpu"))
+    opt = build_optimizer(model.parameters(), cfg.train, fused=False)
+    ref = build_model(cfg.model, seed=cfg.train.seed)
+    ref_params = dict(ref.named_parameters())
+    bf16 = cfg.train.dtype == "bfloat16"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
+    mine = slice(dp_rank * b, (dp_rank + 1) * b)
+    inputs, targets = global_batch(cfg)  # one batch throughout: the loss must fall
+    report: dict = {"steps": []}
+    for step in range(steps):
+        if step:  # before the first step both hold the seeded init (layout-free by design)
+            weights = _gather_full_weights(model)
+            with torch.no_grad():
+                for name, p in ref_params.items():
+                    p.copy_(weights[name])
+        ref.zero_grad()
+        with autocast:
+            ref_loss = ref(inputs, targets)
+        ref_loss.backward()
+        ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_params.values()))
+        loss64, exact = _exact(ref, inputs, targets)
+
+        opt.zero_grad()
+        model.comms.ledger.reset()
+        with autocast:
+            loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
+        pp_bytes = model.step_metrics()["comm_pp_bytes"]
+        layout64 = max(relative_error(full_grad(p), exact[n]) for n, p in model.named_parameters())
+        single64 = max(relative_error(p.grad, exact[n]) for n, p in ref_params.items())
+        grad_dtypes = {str(full_grad(p).dtype) for _, p in model.named_parameters()}
+        norm = float(model.clip_gradients(cfg.train.grad_clip))
+        opt.step()
+        report["steps"].append(
+            {
+                "loss": loss,
+                "ref_loss": ref_loss.item(),
+                "loss64": loss64,
+                "norm": norm,
+                "ref_norm": ref_norm.item(),
+                "layout64": layout64,
+                "single64": single64,
+                "pp_bytes": pp_bytes,
+                "grad_dtypes": grad_dtypes,
+            }
+        )
+    report["param_dtypes"] = {str(p.dtype) for p in model.parameters()}
+    report["pp_rank"] = model.comms.pp.rank
+    return report
+
+
+def run_matrix(rank: int, world: int, cases: list[tuple[str, object]]) -> dict:
+    return {label: follow(cfg, STEPS) for label, cfg in cases}
+
+
+def check(label: str, cfg, report: dict) -> None:
+    bf16 = cfg.train.dtype == "bfloat16"
+    assert report["param_dtypes"] == {"torch.float32"}, (label, report["param_dtypes"])
+    steps = report["steps"]
+    for s in steps:
+        assert s["grad_dtypes"] == {"torch.float32"}, (label, s["grad_dtypes"])
+        if bf16:
+            bound = BF16_FACTOR * s["single64"]
+            assert s["layout64"] <= bound, (label, "gradients", s["layout64"], s["single64"])
+            assert abs(s["loss"] - s["ref_loss"]) <= BF16_LOSS_TOL * abs(s["ref_loss"]), (label, s)
+            assert abs(s["norm"] - s["ref_norm"]) <= BF16_FACTOR * s["single64"] * s["ref_norm"]
+        else:
+            assert abs(s["loss"] - s["ref_loss"]) <= LOSS_TOL * abs(s["ref_loss"]), (label, s)
+            assert abs(s["norm"] - s["ref_norm"]) <= LOSS_TOL * s["ref_norm"], (label, s)
+            assert s["layout64"] <= layout_bound(s["single64"]), (label, s)
+    assert steps[-1]["loss"] < steps[0]["loss"], (label, [s["loss"] for s in steps])
+    p, m = cfg.parallel, cfg.model
+    if p.pp > 1 and p.virtual_stages == 1:  # what crossed the stage boundary, as declared
+        pp_rank = report["pp_rank"]
+        expected = pp_send_bytes(
+            m,
+            p.strategy_for(m.arch),
+            p.tp,
+            cfg.train.batch_size // p.pp_microbatches * cfg.data.seq_len,
+            p.pp_microbatches,
+            first=pp_rank == 0,
+            last=pp_rank == p.pp - 1,
+            act_size=2 if bf16 else 4,
+        )
+        assert steps[-1]["pp_bytes"] == expected, (label, steps[-1]["pp_bytes"], expected)
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_every_arch_and_dtype_matches_one_device(world: int) -> None:
+    cases = matrix_cases(world)
+    per_rank = run_distributed(run_matrix, world, cases, timeout_s=900)
+    configs = dict(cases)
+    for reports in per_rank:
+        assert set(reports) == set(configs)
+        for label, report in reports.items():
+            check(label, configs[label], report)
+
+
+# (arch, strategy): the pairs the matrix leaves out because no layout can run them.
+REFUSED = [("full", "btp"), ("full", "vanilla")] + [
+    (arch, "megatron") for arch in ("svd", "cola", "lax")
+]
+
+
+@pytest.mark.parametrize(("arch", "strategy"), REFUSED)
+def test_combinations_that_cannot_work_are_refused_in_one_line(arch: str, strategy: str) -> None:
+    for _, pp, dp, tp, extra in itertools.chain(*LAYOUTS.values()):
+        with pytest.raises(ConfigError) as err:
+            layout_config(arch, strategy, pp, dp, tp, **extra)
+        message = str(err.value)
+        assert "\n" not in message and "parallel.tp_strategy" in message, message
+    build_config(overrides=[("model.arch", arch)])  # the arch itself is fine
