@@ -21,10 +21,10 @@ from parallel_cases import VOCAB, layout_config
 
 from boostlr.config import build_config
 from boostlr.data import TokenDataset, val_batches
+from boostlr.data.loader import split_validation
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
 from boostlr.train import run as trainer
-from boostlr.train.loop import split_validation
 
 BATCH = 2
 WINDOWS = 7  # odd: three whole batches of 2 and a short one of 1

@@ -217,3 +217,29 @@ def val_batches(
         _windows_batch(dataset, np.arange(start, min(start + batch_size, count)), seq_len, device)
         for start in range(0, count, batch_size)
     ]
+
+
+class ValidationSet(list):
+    """This data-parallel rank's validation batches, and the windows every rank left out.
+
+    Every rank holds the same number of batches, each of ``train.batch_size`` windows: with
+    the vocabulary split over dp the evaluation all-gathers hidden states and targets over
+    dp, and on NCCL a gather of unequal shapes hangs or corrupts (on gloo it may even pass).
+    """
+
+    def __init__(self, batches: list[Batch], dropped: int):
+        super().__init__(batches)
+        self.dropped = dropped
+
+
+def split_validation(batches: list[Batch], batch_size: int, dp_size: int, dp_rank: int):
+    """This rank's share of the validation batches: whole batches only, as many per rank.
+
+    The first ``k x dp`` whole batches are dealt round-robin; a short last batch and the
+    whole batches that do not make up a round are left out and counted (``dropped``
+    windows: the metrics row's ``val_dropped``).
+    """
+    whole = [b for b in batches if len(b[0]) == batch_size]
+    usable = len(whole) // dp_size * dp_size
+    dropped = sum(len(b[0]) for b in batches) - usable * batch_size
+    return ValidationSet(whole[:usable][dp_rank::dp_size], dropped), usable

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from boostlr.config import RunConfig, from_dict, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
+from boostlr.data.loader import split_validation
 from boostlr.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -46,7 +47,7 @@ from boostlr.rundir.resume import prepare_run_dir
 from boostlr.rundir.verify import CollectiveTimeout
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
-from boostlr.train.loop import run_steps, split_validation
+from boostlr.train.loop import run_steps
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.metrics import truncate_after
 from boostlr.train.optim import build_optimizer, init_optimizer_state
