@@ -39,23 +39,35 @@ def traced_ranks(cfg: RunConfig) -> list[int]:
     return sorted(set(ranks))
 
 
+def trace_here(cfg: RunConfig, rank: int) -> RankTrace:
+    """Trace ``rank`` in this process: a fake world, its mesh, the build and two steps.
+
+    The process must have no default process group; it has none again afterwards.
+    """
+    import torch.distributed as dist
+
+    from boostlr.analysis.trace.counter import StorageCounter, counting
+    from boostlr.analysis.trace.fake_world import fake_tensors, init_fake_world
+    from boostlr.analysis.trace.rank import mesh_on_default_group, two_steps
+
+    init_fake_world(rank, cfg.parallel.world_size)
+    try:
+        comms = mesh_on_default_group(cfg)  # real rank tables, before the fake mode
+        with fake_tensors() as mode:
+            counter = StorageCounter(mode)
+            with counting(counter):
+                return two_steps(cfg, comms, counter, rank)
+    finally:
+        dist.destroy_process_group()
+
+
 def _child(cfg: RunConfig, rank: int, results: Any) -> None:
     """The body of one traced rank's process (``spawn``: nothing inherited but args)."""
     try:
         import torch
 
-        from boostlr.analysis.trace.counter import StorageCounter, counting
-        from boostlr.analysis.trace.fake_world import fake_tensors, init_fake_world
-        from boostlr.analysis.trace.rank import mesh_on_default_group, two_steps
-
         torch.set_num_threads(1)
-        init_fake_world(rank, cfg.parallel.world_size)
-        comms = mesh_on_default_group(cfg)  # real rank tables, before the fake mode
-        with fake_tensors() as mode:
-            counter = StorageCounter(mode)
-            with counting(counter):
-                result = two_steps(cfg, comms, counter, rank)
-        results.put((rank, True, result.as_dict()))
+        results.put((rank, True, trace_here(cfg, rank).as_dict()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
