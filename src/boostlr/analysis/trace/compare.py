@@ -106,6 +106,7 @@ def trace_json(cfg: RunConfig, hw: HardwareProfile, traces: list[RankTrace]) -> 
                 "comm_bytes": t.comm_bytes(),
                 "plan_comm_bytes": plan["comm_bytes"],
                 "steps_equal": t.steps_equal,
+                "host_rss_bytes": t.host_rss_bytes,
                 "collectives": collective_summary(t),
             }
         )

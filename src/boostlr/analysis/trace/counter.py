@@ -29,8 +29,10 @@ from boostlr.analysis.trace.fake_world import fake_mode_of, shape_propagation_pa
 
 # torch's c10/cuda/CUDACachingAllocator.cpp: every block is a multiple of kMinBlockSize
 # (round_size); a request of kMinLargeAlloc or more gets a segment of its own, rounded up to
-# kRoundLarge (get_allocation_size), whose tail (under kSmallSize) is never split off.
+# kRoundLarge (get_allocation_size), whose tail is split off for reuse only when it is over
+# kSmallSize (the split rule for large blocks), else it stays with the block.
 MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
 
@@ -39,8 +41,12 @@ def allocator_size(nbytes: int) -> int:
     """Bytes the CUDA caching allocator holds for a request of ``nbytes`` (0 for 0)."""
     if nbytes <= 0:
         return 0
-    step = ROUND_LARGE if nbytes >= MIN_LARGE_ALLOC else MIN_BLOCK
-    return -(-nbytes // step) * step
+    block = -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+    if nbytes >= MIN_LARGE_ALLOC:
+        segment = -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+        if segment - block <= SMALL_SIZE:
+            return segment
+    return block
 
 
 class StorageCounter(TorchDispatchMode):

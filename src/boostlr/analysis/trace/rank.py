@@ -13,6 +13,7 @@ gloo-only in-place path, whatever the backend: :func:`torch_fsdp_collectives`.
 
 from __future__ import annotations
 
+import resource
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -46,6 +47,7 @@ class RankTrace:
     held_after: int = 0  # bytes live after the second step (parameters, grads, AdamW)
     records: list[dict] = field(default_factory=list)  # step 2's ledger, in order
     steps_equal: bool = True  # step 1 sent the same collectives as step 2
+    host_rss_bytes: int = 0  # this process's peak resident memory (Linux: ru_maxrss in KiB)
 
     @property
     def peak_bytes(self) -> int:
@@ -146,4 +148,5 @@ def two_steps(
         held_after=counter.current,
         records=steps[1],
         steps_equal=steps[0] == steps[1],
+        host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
