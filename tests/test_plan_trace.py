@@ -129,6 +129,13 @@ def test_torch_private_pieces_still_behave() -> None:
     assert callable(schedules._PipelineSchedule._warmup_p2p)
     assert callable(InferenceMode.needs_dynamic) and InferenceMode.STATIC
     assert callable(ShardingPropagator._propagate_tensor_meta_non_cached)
+    assert fake_world.mutates(torch.ops.aten.add_.Tensor)
+    assert not fake_world.mutates(torch.ops.aten.add.Tensor)
+    x = torch.empty(4)
+    assert fake_world.storage_key(x.untyped_storage()) == fake_world.storage_key(
+        x[1:].untyped_storage()
+    )
+    assert not fake_world.in_backward()
     with fake_world.fake_tensors() as mode:
         counter = StorageCounter(mode)
         with counting(counter):

@@ -22,10 +22,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
-from boostlr.analysis.trace.fake_world import fake_mode_of, shape_propagation_paused
+from boostlr.analysis.trace.fake_world import (
+    TorchDispatchMode,
+    fake_mode_of,
+    in_backward,
+    is_traceable_wrapper_subclass,
+    mutates,
+    shape_propagation_paused,
+    storage_key,
+    tree_leaves,
+)
 
 # torch's c10/cuda/CUDACachingAllocator.cpp: every block is a multiple of kMinBlockSize
 # (round_size); a request of kMinLargeAlloc or more gets a segment of its own, rounded up to
@@ -76,7 +83,7 @@ class StorageCounter(TorchDispatchMode):
 
     def _bump(self) -> None:
         name = self.phase_name
-        if self.backward_phase is not None and torch._C._current_graph_task_id() != -1:
+        if self.backward_phase is not None and in_backward():
             name = self.backward_phase
         if self.current > self.peaks.get(name, 0):
             self.peaks[name] = self.current
@@ -102,7 +109,7 @@ class StorageCounter(TorchDispatchMode):
         self._account(storage)
 
     def _account(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
+        key = storage_key(storage)
         size = storage.nbytes()
         entry = self.live.get(key)
         if entry is not None:
@@ -132,7 +139,7 @@ class StorageCounter(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
-        if func._schema.is_mutable:  # resize_, set_, out= ops: their arguments may change
+        if mutates(func):  # resize_, set_, out= ops: their arguments may change
             for t in leaves:
                 if isinstance(t, torch.Tensor):
                     self.track(t)
@@ -146,7 +153,7 @@ def counting(counter: StorageCounter) -> Iterator[StorageCounter]:
 
     def resize_(storage: Any, size: int) -> Any:
         result = original(storage, size)
-        key = storage._cdata
+        key = storage_key(storage)
         if key in counter.live:
             counter._account(storage)
         return result

@@ -20,6 +20,11 @@ checks each still exists and behaves, so a torch upgrade that moves one fails th
   operator's output shape by running it on global-shape fake tensors, made in the fake mode
   already active (the trace's) or a fresh one (a real run's). They hold no memory on any
   device: :func:`shape_propagation_paused` has a counter look away meanwhile.
+* For the storage counter: ``torch.utils._python_dispatch`` (``TorchDispatchMode``, the
+  test for a wrapper subclass such as DTensor), ``torch.utils._pytree.tree_leaves`` and
+  ``torch._C._current_graph_task_id`` (whether the autograd engine is running: backward),
+  a storage's identity (``UntypedStorage._cdata``, the address of its implementation) and
+  whether an operator may mutate its arguments (``OpOverload._schema.is_mutable``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +42,8 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 FAKE_BACKEND = "fake"
 
@@ -46,8 +54,29 @@ __all__ = [
     "fake_tensors",
     "init_fake_world",
     "is_fake",
+    "in_backward",
+    "mutates",
+    "storage_key",
+    "is_traceable_wrapper_subclass",
     "shape_propagation_paused",
+    "tree_leaves",
+    "TorchDispatchMode",
 ]
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The identity of the storage behind a Python storage object (views share it)."""
+    return storage._cdata
+
+
+def mutates(func: Any) -> bool:
+    """Whether operator overload ``func`` may write to (or resize) its arguments."""
+    return func._schema.is_mutable
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running (an operator of a backward pass)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def init_fake_world(rank: int, world_size: int) -> None:
