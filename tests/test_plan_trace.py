@@ -17,10 +17,10 @@ from distributed import run_distributed
 from parallel_cases import VOCAB, layout_config
 
 from boostlr.analysis.costmodel import comm_metrics
-from boostlr.analysis.trace import fake_world
-from boostlr.analysis.trace.counter import StorageCounter, allocator_size, counting
-from boostlr.analysis.trace.rank import RankTrace, coordinates
-from boostlr.analysis.trace.run import trace_here, traced_ranks
+from boostlr.trace import fake_world
+from boostlr.trace.counter import StorageCounter, allocator_size, counting
+from boostlr.trace.rank import RankTrace, coordinates
+from boostlr.trace.run import trace_here, traced_ranks
 
 LAYOUTS = {  # (pp, dp, tp, extra overrides)
     "pp2xdp2xtp2": (2, 2, 2, {}),
@@ -43,8 +43,8 @@ def _real_then_traced(rank: int, world: int, cfg) -> tuple[dict, dict | None]:
     each rank a fresh process: ``test_plan_trace_json_has_the_documented_fields``."""
     import torch.distributed as dist
 
-    from boostlr.analysis.trace.rank import two_steps
     from boostlr.parallel.mesh import build_mesh
+    from boostlr.trace.rank import two_steps
 
     comms = build_mesh(cfg.parallel, torch.device("cpu"))
     gen = torch.Generator().manual_seed(rank)
@@ -151,7 +151,7 @@ def test_torch_private_pieces_still_behave() -> None:
     # A fake world of 64 ranks in a fresh interpreter: groups, mesh and a collective.
     code = (
         "import torch, torch.distributed as dist\n"
-        "from boostlr.analysis.trace.fake_world import init_fake_world\n"
+        "from boostlr.trace.fake_world import init_fake_world\n"
         "from torch.distributed.device_mesh import init_device_mesh\n"
         "init_fake_world(37, 64)\n"
         "m = init_device_mesh('cpu', (4, 4, 4), mesh_dim_names=('pp', 'dp', 'tp'))\n"

@@ -325,7 +325,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         else:
             print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
             if traced is not None:
-                from boostlr.analysis.trace.compare import format_trace
+                from boostlr.trace.compare import format_trace
 
                 print(format_trace(traced))
     if args.plot:
@@ -336,8 +336,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def _trace(cfg, hw, args: argparse.Namespace) -> list[dict]:
-    from boostlr.analysis.trace.compare import trace_json
-    from boostlr.analysis.trace.run import trace
+    from boostlr.trace.compare import trace_json
+    from boostlr.trace.run import trace
 
     if not args.gpus:
         raise BoostlrError("--trace needs --gpus N: the world size to trace")

@@ -1,8 +1,8 @@
 """One rank's view of two training steps: peak tensor bytes per phase and every collective.
 
-The same body runs on a fake rank (:mod:`boostlr.analysis.trace.fake_world`: a fake process
+The same body runs on a fake rank (:mod:`boostlr.trace.fake_world`: a fake process
 group, fake tensors) and on a real gloo rank (the test that holds the trace to reality), so
-both are measured by one :class:`~boostlr.analysis.trace.counter.StorageCounter` and one
+both are measured by one :class:`~boostlr.trace.counter.StorageCounter` and one
 ledger. The step is the trainer's (``train/loop.py``): zero the gradients, ``grad_accum``
 micro-batches of forward + backward under the run's autocast, the global loss, clipping,
 AdamW; the second step runs with the optimizer state the first one made.

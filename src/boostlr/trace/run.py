@@ -2,7 +2,7 @@
 
 Each traced rank runs in a fresh process (``spawn``): a fake process group of the run's world
 size, the run's mesh, ``ParallelModel``'s build under fake tensors, then two training steps
-on a batch of the config's shape (:func:`boostlr.analysis.trace.rank.two_steps`). Nothing
+on a batch of the config's shape (:func:`boostlr.trace.rank.two_steps`). Nothing
 is allocated and nothing is sent, so a paper-size rank fits in a laptop's memory.
 
 The ranks traced are one per distinct role: every pipeline rank (each holds its own stages)
@@ -20,9 +20,9 @@ import traceback
 from typing import Any
 
 from boostlr.analysis.costmodel import planning_config
-from boostlr.analysis.trace.rank import RankTrace, coordinates
 from boostlr.config import RunConfig
 from boostlr.errors import BoostlrError
+from boostlr.trace.rank import RankTrace, coordinates
 
 TIMEOUT_S = 600  # one rank's trace; the paper's largest layouts take a few minutes
 
@@ -46,9 +46,9 @@ def trace_here(cfg: RunConfig, rank: int) -> RankTrace:
     """
     import torch.distributed as dist
 
-    from boostlr.analysis.trace.counter import StorageCounter, counting
-    from boostlr.analysis.trace.fake_world import fake_tensors, init_fake_world
-    from boostlr.analysis.trace.rank import mesh_on_default_group, two_steps
+    from boostlr.trace.counter import StorageCounter, counting
+    from boostlr.trace.fake_world import fake_tensors, init_fake_world
+    from boostlr.trace.rank import mesh_on_default_group, two_steps
 
     init_fake_world(rank, cfg.parallel.world_size)
     try:

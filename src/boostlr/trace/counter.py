@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from boostlr.analysis.trace.fake_world import (
+from boostlr.trace.fake_world import (
     TorchDispatchMode,
     fake_mode_of,
     in_backward,

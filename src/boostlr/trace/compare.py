@@ -18,7 +18,7 @@ terms are separate and named, each from a public figure (none fitted to a measur
   communicator per process group of more than one rank (world, tp, dp, pp) plus the two
   2-rank communicators torch's pipeline schedules warm up for point-to-point.
 * ``allocator_rounding``: the CUDA caching allocator's rounding of the blocks live at the
-  peak (:func:`boostlr.analysis.trace.counter.allocator_size`), computed from the trace.
+  peak (:func:`boostlr.trace.counter.allocator_size`), computed from the trace.
   Fragmentation between blocks is not modelled.
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 
 from boostlr.analysis.costmodel import comm_metrics, memory_breakdown, planning_config
 from boostlr.analysis.hardware import HardwareProfile
-from boostlr.analysis.trace.rank import RankTrace
 from boostlr.config import RunConfig
+from boostlr.trace.rank import RankTrace
 
 MIB = 1 << 20
 GIB = 1 << 30
