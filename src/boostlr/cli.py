@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=5, help="layouts to print with --search")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.add_argument(
+        "--trace",
+        action="store_true",
+        help="also run one rank of each role for two real steps on fake tensors and a fake "
+        "process group of --gpus ranks: peak tensor bytes and every collective, beside the plan",
+    )
+    pl.add_argument(
         "--plot",
         default=None,
         metavar="OUT.png",
@@ -300,6 +306,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         require_matplotlib("--plot")
     hw = load_profile(args.hardware)
     cfg = plan.load_config(args.config, parse_overrides(overrides), args.gpus, args.search)
+    if args.search and args.trace:
+        raise BoostlrError("--trace traces the config's own layout: drop --search")
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)
         if args.json:
@@ -309,15 +317,32 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
     else:
         rows = plan.strategy_rows(cfg, hw)
+        traced = _trace(cfg, hw, args) if args.trace else None
         if args.json:
-            print(json.dumps(plan_json(rows, hw, cfg), indent=2))
+            out = plan_json(rows, hw, cfg)
+            if traced is not None:
+                out["trace"] = traced
+            print(json.dumps(out, indent=2))
         else:
             print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+            if traced is not None:
+                from boostlr.trace.compare import format_trace
+
+                print(format_trace(traced))
     if args.plot:
         from boostlr.plots.plan import draw, plot_data
 
         draw(plot_data(cfg, hw, args.gpus if args.search else None), Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+
+
+def _trace(cfg, hw, args: argparse.Namespace) -> list[dict]:
+    from boostlr.trace.compare import trace_json
+    from boostlr.trace.run import trace
+
+    if not args.gpus:
+        raise BoostlrError("--trace needs --gpus N: the world size to trace")
+    return trace_json(cfg, hw, trace(cfg))
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:

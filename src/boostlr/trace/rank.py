@@ -1,0 +1,152 @@
+"""One rank's view of two training steps: peak tensor bytes per phase and every collective.
+
+The same body runs on a fake rank (:mod:`boostlr.trace.fake_world`: a fake process
+group, fake tensors) and on a real gloo rank (the test that holds the trace to reality), so
+both are measured by one :class:`~boostlr.trace.counter.StorageCounter` and one
+ledger. The step is the trainer's (``train/loop.py``): zero the gradients, ``grad_accum``
+micro-batches of forward + backward under the run's autocast, the global loss, clipping,
+AdamW; the second step runs with the optimizer state the first one made.
+
+FSDP is given torch's own all-gather and reduce-scatter (what an NCCL rank runs), never the
+gloo-only in-place path, whatever the backend: :func:`torch_fsdp_collectives`.
+"""
+
+from __future__ import annotations
+
+import resource
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from boostlr.config import RunConfig
+from boostlr.parallel.build import build_stages
+from boostlr.parallel.collectives import CommLedger, GroupComm
+from boostlr.parallel.data_parallel import set_fsdp_collectives
+from boostlr.parallel.engine import ParallelModel
+from boostlr.parallel.mesh import MESH_DIMS, MeshComms
+from boostlr.parallel.tensor_parallel import TensorParallelModel
+from boostlr.train.optim import build_optimizer
+
+PHASES = ("build", "forward", "backward", "optimizer", "step2")
+
+
+@dataclass
+class RankTrace:
+    """What one rank did: peaks per phase (bytes) and step 2's collectives, in order."""
+
+    rank: int
+    pp_stage: int
+    dp_rank: int
+    tp_rank: int
+    peaks: dict[str, int] = field(default_factory=dict)
+    # Allocator rounding of the storages live at the peak (512-byte blocks, 2 MiB above 1 MiB).
+    peak_rounded: int = 0
+    held_after: int = 0  # bytes live after the second step (parameters, grads, AdamW)
+    records: list[dict] = field(default_factory=list)  # step 2's ledger, in order
+    steps_equal: bool = True  # step 1 sent the same collectives as step 2
+    host_rss_bytes: int = 0  # this process's peak resident memory (Linux: ru_maxrss in KiB)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peaks.values(), default=0)
+
+    def comm_bytes(self) -> dict[str, int]:
+        out = dict.fromkeys(MESH_DIMS, 0)
+        for r in self.records:
+            out[r["group"]] += r["bytes"]
+        return {k: out[k] for k in ("tp", "dp", "pp")}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def coordinates(cfg: RunConfig, rank: int) -> tuple[int, int, int]:
+    """(pp, dp, tp) coordinates of a global rank: the mesh is laid out tp-fastest."""
+    p = cfg.parallel
+    return rank // (p.dp * p.tp), (rank // p.tp) % p.dp, rank % p.tp
+
+
+def mesh_on_default_group(cfg: RunConfig) -> MeshComms:
+    """The run's ``(pp, dp, tp)`` mesh on the default group's backend (a fake world's)."""
+    p = cfg.parallel
+    mesh = init_device_mesh("cpu", (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS)
+    ledger = CommLedger()
+    comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
+    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger)
+
+
+def torch_fsdp_collectives(stages: list[TensorParallelModel], comms: MeshComms) -> None:
+    """Every FSDP unit runs torch's own (NCCL-style) collectives, still recorded."""
+    units = [m for part in stages for m in part.modules() if isinstance(m, FSDPModule)]
+    if units:
+        set_fsdp_collectives(units, comms.dp, in_place=False)
+
+
+def _records(ledger: CommLedger) -> list[dict]:
+    return [
+        {"op": r.op, "group": r.group, "phase": r.phase, "bytes": r.bytes, "tag": r.tag}
+        for r in ledger.records
+    ]
+
+
+def two_steps(
+    cfg: RunConfig,
+    comms: MeshComms,
+    counter,
+    rank: int,
+    batch=None,
+) -> RankTrace:
+    """Build this rank's model and run two steps; ``counter`` must already be counting.
+
+    ``batch(step, micro)`` gives ``(inputs, targets)``; by default random token ids of the
+    config's shape (their values change nothing a trace measures).
+    """
+    device = torch.device("cpu")
+    t = cfg.train
+    pp_stage, dp_rank, tp_rank = coordinates(cfg, rank)
+    if batch is None:
+        vocab, shape = cfg.model.vocab_size, (t.batch_size, cfg.data.seq_len)
+
+        def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+
+    counter.phase("build")
+    stages = build_stages(cfg, comms, device, comms.pp.rank)
+    torch_fsdp_collectives(stages, comms)
+    model = ParallelModel(cfg, comms, stages, device)
+    optimizer = build_optimizer(model.parameters(), cfg.train)
+    bf16 = t.dtype == "bfloat16"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    steps: list[list[dict]] = []
+    for step in (1, 2):
+        comms.ledger.reset()
+        optimizer.zero_grad(set_to_none=True)
+        counter.phase("forward" if step == 1 else "step2")
+        counter.backward_phase = "backward" if step == 1 else None
+        total = torch.zeros((), device=device)
+        for micro in range(t.grad_accum):
+            inputs, targets = batch(step, micro)
+            with autocast:
+                total += model.forward_backward(inputs, targets)
+        counter.backward_phase = None
+        if step == 1:
+            counter.phase("optimizer")
+        model.global_mean(total / t.grad_accum)
+        model.clip_gradients(t.grad_clip)
+        optimizer.step()
+        steps.append(_records(comms.ledger))
+    return RankTrace(
+        rank=rank,
+        pp_stage=pp_stage,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        peaks={k: counter.peaks.get(k, 0) for k in PHASES},
+        peak_rounded=counter.peak_rounded,
+        held_after=counter.current,
+        records=steps[1],
+        steps_equal=steps[0] == steps[1],
+        host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )

@@ -1,0 +1,111 @@
+"""``boostlr plan --trace``: the real trainer, one rank of each role, in a fake world.
+
+Each traced rank runs in a fresh process (``spawn``): a fake process group of the run's world
+size, the run's mesh, ``ParallelModel``'s build under fake tensors, then two training steps
+on a batch of the config's shape (:func:`boostlr.trace.rank.two_steps`). Nothing
+is allocated and nothing is sent, so a paper-size rank fits in a laptop's memory.
+
+The ranks traced are one per distinct role: every pipeline rank (each holds its own stages)
+at ``dp = tp = 0``, plus the last ``(dp, tp)`` rank of a pipeline rank holding the embedding
+or the head when the vocabulary does not split evenly (its rows, and so its memory and
+traffic, differ from rank 0's).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import traceback
+from typing import Any
+
+from boostlr.analysis.costmodel import planning_config
+from boostlr.config import RunConfig
+from boostlr.errors import BoostlrError
+from boostlr.trace.rank import RankTrace, coordinates
+
+TIMEOUT_S = 600  # one rank's trace; the paper's largest layouts take a few minutes
+
+
+def traced_ranks(cfg: RunConfig) -> list[int]:
+    """Global ranks, one per role (pipeline rank; uneven vocabulary edges)."""
+    p = cfg.parallel
+    per_stage = p.dp * p.tp
+    ranks = [pp * per_stage for pp in range(p.pp)]
+    split = p.tp * (p.dp if p.dp > 1 and p.vocab_dp and not cfg.model.tie_embeddings else 1)
+    if split > 1 and cfg.model.vocab_size % split:
+        for pp in sorted({0, p.pp - 1}):
+            ranks.append(pp * per_stage + per_stage - 1)
+    return sorted(set(ranks))
+
+
+def trace_here(cfg: RunConfig, rank: int) -> RankTrace:
+    """Trace ``rank`` in this process: a fake world, its mesh, the build and two steps.
+
+    The process must have no default process group; it has none again afterwards.
+    """
+    import torch.distributed as dist
+
+    from boostlr.trace.counter import StorageCounter, counting
+    from boostlr.trace.fake_world import fake_tensors, init_fake_world
+    from boostlr.trace.rank import mesh_on_default_group, two_steps
+
+    init_fake_world(rank, cfg.parallel.world_size)
+    try:
+        comms = mesh_on_default_group(cfg)  # real rank tables, before the fake mode
+        with fake_tensors() as mode:
+            counter = StorageCounter(mode)
+            with counting(counter):
+                return two_steps(cfg, comms, counter, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _child(cfg: RunConfig, rank: int, results: Any) -> None:
+    """The body of one traced rank's process (``spawn``: nothing inherited but args)."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        results.put((rank, True, trace_here(cfg, rank).as_dict()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def trace_rank(cfg: RunConfig, rank: int, timeout_s: float = TIMEOUT_S) -> RankTrace:
+    """Trace one rank in a fresh process; its failure is raised here with its traceback."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        proc = ctx.Process(target=_child, args=(cfg, rank, results), daemon=True)
+        proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    try:
+        _, ok, payload = results.get(timeout=timeout_s)
+    except queue.Empty:
+        proc.kill()
+        raise BoostlrError(
+            f"tracing rank {rank} took over {timeout_s:.0f} s: trace a smaller layout"
+        ) from None
+    finally:
+        proc.join(timeout=30)
+    if not ok:
+        raise RuntimeError(f"tracing rank {rank} failed:\n{payload}")
+    return RankTrace(**payload)
+
+
+def trace(cfg: RunConfig) -> list[RankTrace]:
+    """One :class:`RankTrace` per role, one fresh process each, one after the other."""
+    cfg = planning_config(cfg)  # the preset's vocabulary when the config leaves it to the data
+    return [trace_rank(cfg, r) for r in traced_ranks(cfg)]
+
+
+def describe_rank(cfg: RunConfig, rank: int) -> str:
+    pp, dp, tp = coordinates(cfg, rank)
+    return f"rank {rank} (pp {pp}, dp {dp}, tp {tp})"
