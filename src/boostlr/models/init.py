@@ -54,15 +54,20 @@ def initial_value(
     seed: int,
     box: Box | None = None,
     device: torch.device | str = "cpu",
+    draw: bool = True,
 ) -> torch.Tensor:
     """Parameter ``name``'s initial value (fp32): whole, or only ``box`` of it.
 
     ``box`` is one ``(start, end)`` per dim of the full ``shape``; the result equals the
-    whole value's slice bit for bit and costs only the slice's elements.
+    whole value's slice bit for bit and costs only the slice's elements. ``draw=False`` gives
+    an uninitialised tensor of the same shape: a trace on fake tensors has no values to draw
+    (and the inverse CDF's data-dependent tail split cannot run there).
     """
     box = [(0, n) for n in shape] if box is None else list(box)
     rule = init_rule(cfg, name)
     size = [b - a for a, b in box]
+    if not draw:
+        return torch.empty(size, device=device)
     if rule == "ones":
         return torch.ones(size, device=device)
     if rule == "zeros":

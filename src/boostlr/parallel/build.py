@@ -36,8 +36,11 @@ def build_stages(
     device: torch.device,
     pp_rank: int,
     mark_phase: Callable[[str], None] = lambda phase: None,
+    draw: bool = True,
 ) -> list[TensorParallelModel]:
     """This rank's pipeline stages, sharded, initialised and data-parallel-wrapped.
+
+    ``draw=False`` leaves the parameters uninitialised (for a trace on fake tensors).
 
     ``mark_phase("materialise")`` and ``mark_phase("FSDP wrap")`` close those phases for a
     memory report. Each stage's ``build_s`` is the seconds this rank spent building all of
@@ -59,7 +62,7 @@ def build_stages(
             last=stage == p.num_stages - 1,
         )
         part = TensorParallelModel(meta, p.strategy_for(cfg.model.arch), ctx, full_shapes={})
-        materialize(part, cfg.train.seed, comms, device)
+        materialize(part, cfg.train.seed, comms, device, draw)
         stages.append(part)
     mark_phase("materialise")
     if comms.dp.size > 1:
@@ -87,7 +90,11 @@ VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def materialize(
-    part: TensorParallelModel, seed: int, comms: MeshComms, device: torch.device
+    part: TensorParallelModel,
+    seed: int,
+    comms: MeshComms,
+    device: torch.device,
+    draw: bool = True,
 ) -> None:
     """Replace every meta parameter by this rank's shard of its seeded initial value.
 
@@ -103,10 +110,10 @@ def materialize(
             spec, shape = part.specs[name], param.shape
             part.full_shapes[name] = shape
             if name in VOCAB_PARAMS and part.ctx.vocab_dp_size > 1:
-                value = _vocab_dtensor(name, shape, seed, spec, part, comms, device)
+                value = _vocab_dtensor(name, shape, seed, spec, part, comms, device, draw)
             else:
                 box = shard_box(shape, spec, rank, tp)
-                shard = initial_value(part.cfg, name, shape, seed, box, device)
+                shard = initial_value(part.cfg, name, shape, seed, box, device, draw)
                 value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, shape)
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
@@ -121,6 +128,7 @@ def _vocab_dtensor(
     part: TensorParallelModel,
     comms: MeshComms,
     device: torch.device,
+    draw: bool = True,
 ) -> DTensor:
     """This rank's rows of a vocabulary table split over dp (then over tp along ``spec``).
 
@@ -132,7 +140,8 @@ def _vocab_dtensor(
     cols = (0, shape[1])
     if spec.dim == 1:
         cols = chunk_range(shape[1], comms.tp.rank, comms.tp.size)
-    shard = initial_value(part.cfg, name, shape, seed, [(split.start, split.end), cols], device)
+    box = [(split.start, split.end), cols]
+    shard = initial_value(part.cfg, name, shape, seed, box, device, draw)
     tp_placement = Replicate() if spec.dim is None else Shard(spec.dim)
     mesh = comms.mesh["dp", "tp"]
     stride = torch.empty(shape, device="meta").stride()

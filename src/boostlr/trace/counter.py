@@ -103,7 +103,7 @@ class StorageCounter(TorchDispatchMode):
             for attr in inner:
                 self.track(getattr(tensor, attr))
             return
-        if tensor.device.type == "meta" or fake_mode_of(tensor) not in (None, self.fake_mode):
+        if tensor.is_meta or fake_mode_of(tensor) not in (None, self.fake_mode):
             return
         storage = tensor.untyped_storage()
         self._account(storage)

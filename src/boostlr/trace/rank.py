@@ -114,7 +114,8 @@ def two_steps(
             return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
 
     counter.phase("build")
-    stages = build_stages(cfg, comms, device, comms.pp.rank)
+    # A fake tensor has no values: drawing them (and the draw's data-dependent split) is moot.
+    stages = build_stages(cfg, comms, device, comms.pp.rank, draw=counter.fake_mode is None)
     torch_fsdp_collectives(stages, comms)
     model = ParallelModel(cfg, comms, stages, device)
     optimizer = build_optimizer(model.parameters(), cfg.train)
