@@ -1,9 +1,11 @@
 """The oldest torch boostlr runs on, checked first thing in ``boostlr``.
 
-boostlr relies on torch APIs that older releases lack (FSDP2's ``DefaultAllGather`` and
-``set_custom_all_gather``, ``init_device_mesh(backend_override=...)``). Without this check an
-old torch (cluster containers often pin one) dies with an ImportError traceback inside each
-rank; with it, one line names the installed and the needed version before anything starts.
+boostlr relies on torch behaviour that older releases lack: FSDP2's ``DefaultAllGather`` /
+``set_custom_all_gather`` (absent before 2.9), and pipelining that takes FSDP-wrapped stages
+with strided stage inputs (2.9-2.11 fail the pp x dp tests). Without this check an old torch
+(cluster containers often pin one) dies with a traceback inside each rank, or worse, in a
+collective; with it, one line names the installed and the needed version before anything
+starts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from boostlr.errors import EXIT_BAD_INPUT, BoostlrError
 
 # pyproject.toml's ``torch>=`` bound; tests/test_torch_floor.py keeps the two equal. It is the
 # oldest release the test suite has passed on (benchmarks/RESULTS.md, "torch floor").
-TORCH_FLOOR = "2.9"
+TORCH_FLOOR = "2.12"
 
 
 class TorchTooOld(BoostlrError):
