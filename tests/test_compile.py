@@ -91,17 +91,19 @@ def test_compiled_tp2_breaks_graphs_only_at_collectives(strategy: str, arch: str
 
 
 def test_missing_cxx_compiler_exits_2(
-    small_dataset: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    # torch's own patch(), not monkeypatch: pytest >= 9.2 undoes a setattr on an object
+    # without the name in its __dict__ (``config.cpp`` is a proxy) by *deleting* it, which
+    # hides ``cpp.cxx`` from every later compile in this process.
+    cxx = inductor_config.cpp.cxx
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--model.preset", "tiny", "--train.compile", "true"]
-    code = main([*args, "--data.path", str(small_dataset), "--parallel.device", "cpu"])
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
+        code = main([*args, "--data.path", str(small_dataset), "--parallel.device", "cpu"])
+    assert inductor_config.cpp.cxx == cxx
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "needs a C++ compiler" in err[0], err
     assert not run.exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from boostlr._torch_floor import require_torch
 from boostlr.errors import EXIT_BAD_INPUT, EXIT_FAILED, BoostlrError, TrainingDiverged
 
 
@@ -436,6 +437,8 @@ _TAKES_OVERRIDES = ("train", "eval", "import-hf", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (too_old := require_torch()) is not None:
+        return too_old
     own_process = argv is None  # the command line itself, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
