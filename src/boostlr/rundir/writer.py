@@ -1,11 +1,7 @@
 """Writing checkpoints: atomic, hashed as written, old ones deleted off the critical path.
 
-Every checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory: each rank writes the
-shards it holds (model and AdamW moments, keyed by the global parameter name with global
-shapes), so no rank ever gathers a full tensor and any other layout can load it (DCP
-reshards on load). Beside the shards: ``trainer.json`` (step, data position, learning-rate
-schedule), one ``rng_rank{r}.safetensors`` per rank, the tokenizer, and ``meta.json`` —
-config, layout and every file's size and sha256 — written last. Nothing is a pickle.
+The format (a DCP directory plus ``trainer.json``, the RNG files, the tokenizer and
+``meta.json``) is described in :mod:`boostlr.rundir.checkpoint`.
 
 Each file's sha256 is computed from the bytes as they are written (:mod:`.dcp_io`), never by
 reading the checkpoint back. A save goes into ``.tmp-step_N``; when every rank's files are
