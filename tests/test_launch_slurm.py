@@ -3,6 +3,8 @@ here, no ``scontrol``) and a port from the job id, both overridable by the envir
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from boostlr.errors import BoostlrError
@@ -60,6 +62,17 @@ def test_the_port_is_stable_per_job_and_unprivileged() -> None:
     assert min(ports) >= 1024 and max(ports) < 32768  # below Linux's ephemeral range
     assert slurm_port("123456_7") == slurm_port("1234567")  # array jobs: digits of the id
     assert slurm_port(None) == 29500 and slurm_port("") == 29500
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """``adopt_slurm_env`` writes RANK, WORLD_SIZE, MASTER_* into ``os.environ`` itself, and
+    ``monkeypatch.delenv`` of an absent variable records nothing to undo: without this, a later
+    test in the session would think it runs under a launcher of 8 ranks."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _slurm_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
