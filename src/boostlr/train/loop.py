@@ -13,7 +13,6 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.distributed as dist
 
 from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
@@ -22,7 +21,7 @@ from boostlr.rundir.layout import METRICS_FILE
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
 from boostlr.train.optim import set_lr
-from boostlr.train.perf import peak_flops
+from boostlr.train.perf import build_times, peak_flops
 from boostlr.train.profiling import StepProfiler
 from boostlr.train.sinks import open_sinks
 from boostlr.train.state import RunState, save
@@ -62,21 +61,6 @@ def metrics_row(
     if peak:  # MFU: the job's model FLOP/s over the peak of all its devices
         row["mfu"] = flops_per_s / (peak * cfg.parallel.world_size)
     return row
-
-
-def build_times(state: RunState) -> dict[str, float | list[float]]:
-    """``build_s`` (the slowest rank's) and ``build_s_ranks``: seconds to build each rank's part.
-
-    All ranks gather here once, on the first log step after a start.
-    """
-    mine = max((getattr(s, "build_s", 0.0) for s in state.model.stages), default=0.0)
-    local = torch.tensor([mine], dtype=torch.float64, device=state.device)
-    times = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        times = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(times, local)
-    per_rank = [round(float(t), 3) for t in times]
-    return {"build_s": max(per_rank), "build_s_ranks": per_rank}
 
 
 def evaluate(
@@ -153,7 +137,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
             if step % t.log_every == 0 or last or step == start + 1:
                 row = metrics_row(state, step, lr, window, phases)
                 if step == start + 1:
-                    row.update(build_times(state))
+                    row.update(build_times(model.stages, model.comms))
                 loss_value = float(row["loss"])
                 if metrics is not None:
                     metrics.write(row)
