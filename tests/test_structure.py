@@ -122,10 +122,6 @@ DEVICE_ALLOWED = {
     # A hardware profile's "device" field ("gpu"/"cpu": what calibrate measured), not a
     # torch device or backend.
     "boostlr.analysis.hardware": "profile kind",
-    # Outside this change's files (follow-ups: ask boostlr.parallel.device instead).
-    "boostlr.calibrate": "own process group and timing for the measurement",
-    "boostlr.parallel.compile": "inductor's toolchain check per device",
-    "boostlr.train.profiling": "profiler activities per device",
     # ``torch.device(device).type == "meta"``: building without storage, not a device kind.
     "boostlr.models.llama": "meta build",
     # The init draw's chunk size per device kind (a cache-size constant, no device path);

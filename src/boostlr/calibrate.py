@@ -18,7 +18,6 @@ kernels on a device and spawns processes.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +26,15 @@ from pathlib import Path
 import torch
 
 from boostlr.analysis.hardware import GB, HardwareProfile, Link, load_profile, user_dir
+from boostlr.parallel.device import (
+    backend_for,
+    can_pair,
+    claim_device,
+    describe,
+    resolve_device,
+    runs_on_host,
+    synchronize,
+)
 
 GEMM_SHAPES = (
     [(2048, k, 2048) for k in (32, 64, 128, 256, 512, 1024, 2048)]
@@ -41,14 +49,13 @@ ALLREDUCE_BYTES = tuple(4**i * 64 * 2**10 for i in range(6))  # 64 KiB .. 64 MiB
 
 def _time(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
     """Median seconds of ``fn`` after a warm-up (CUDA: synchronised around each call)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
-    sync()
+    synchronize(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        sync()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -87,7 +94,7 @@ def fit_gemm(samples: list[tuple], bandwidth: float, launch: float, elem: int) -
 def measure_memory(device: torch.device) -> tuple[float, float, float]:
     """(copy bytes/s, element-wise fraction of it, seconds per small kernel of a training
     step: its forward under autograd and its backward, so dispatch counts as on a step)."""
-    n = 64 * 2**20 if device.type == "cuda" else 8 * 2**20
+    n = 8 * 2**20 if runs_on_host(device) else 64 * 2**20
     a, b = torch.randn(n, device=device), torch.randn(n, device=device)
     dst = torch.empty_like(a)
     copy = 2 * n * 4 / _time(lambda: dst.copy_(a), device)
@@ -132,15 +139,13 @@ def measure_attention(dtype: torch.dtype, device: torch.device) -> list[tuple]:
     return out
 
 
-def _allreduce_rank(rank: int, port: int, cuda: bool, queue) -> None:
+def _allreduce_rank(rank: int, port: int, kind: str, queue) -> None:
     import torch.distributed as dist
 
     try:
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
+        device = claim_device(kind, rank)
         dist.init_process_group(
-            "nccl" if cuda else "gloo",
+            backend_for(device),
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=2,
@@ -159,7 +164,7 @@ def _allreduce_rank(rank: int, port: int, cuda: bool, queue) -> None:
         raise
 
 
-def measure_allreduce(cuda: bool) -> list[tuple[int, float]]:
+def measure_allreduce(device: torch.device) -> list[tuple[int, float]]:
     """All-reduce seconds by payload between two local processes (same count on each)."""
     import socket
 
@@ -170,7 +175,9 @@ def measure_allreduce(cuda: bool) -> list[tuple[int, float]]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, cuda, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_allreduce_rank, args=(r, port, device.type, queue)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -204,8 +211,8 @@ def calibrate(
 ) -> tuple[Path, HardwareProfile]:
     """Measure the device at hand and write the ``local`` profile (``threads``: torch
     threads on a CPU, as one rank of a local run uses)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda") if cuda else torch.device("cpu")
+    device = resolve_device("auto")
+    cuda = not runs_on_host(device)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -221,20 +228,13 @@ def calibrate(
     finally:
         torch.set_num_threads(saved)
     attention_eff = fit_attention(attention, peak, eff, half)
-    if not cuda or torch.cuda.device_count() >= 2:
-        samples = measure_allreduce(cuda)
+    if can_pair(device):
+        samples = measure_allreduce(device)
         link, link_source = fit_allreduce(samples, launch), "2-process all-reduce"
     else:
         samples, template = [], load_profile(like)
         link, link_source = template.intra, f"not measured (one GPU): {like}'s"
-    if cuda:
-        name = torch.cuda.get_device_name(device)
-        memory = float(torch.cuda.get_device_properties(device).total_memory)
-        per_node = torch.cuda.device_count()
-    else:
-        name = "this machine's CPU"
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        per_node = os.cpu_count() or 1
+    name, memory, per_node = describe(device)
     peaks = (
         {"bfloat16": peak, "float32": other_peak}
         if cuda

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from boostlr.errors import ConfigError
+from boostlr.parallel.device import runs_on_host
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 # Graphs cached per block function: (first block, later blocks) x (train, no-grad eval) per
@@ -40,7 +41,7 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def check_toolchain(device: torch.device) -> None:
     """Fail before any work when inductor cannot build kernels for ``device``."""
-    if device.type == "cuda":
+    if not runs_on_host(device):
         from torch.utils._triton import has_triton
 
         if not has_triton():

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity
 
 from boostlr.errors import ConfigError
 
@@ -112,6 +113,40 @@ def check_local_gpus(device: torch.device, ranks: int) -> None:
 def accelerator_name(device: torch.device) -> str | None:
     """The GPU's marketing name (matched against shipped profiles); ``None`` on a CPU."""
     return None if runs_on_host(device) else torch.cuda.get_device_name(device)
+
+
+def claim_device(kind: str, index: int) -> torch.device:
+    """Device ``index`` of ``kind``, made current for a process that drives one GPU of its
+    own (calibrate's all-reduce pair); the CPU as it is."""
+    if runs_on_host(kind):
+        return torch.device(HOST)
+    device = torch.device(kind, index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def can_pair(device: torch.device) -> bool:
+    """Two processes can each own a device of this kind (a CPU always; GPUs when two are
+    visible)."""
+    return runs_on_host(device) or torch.cuda.device_count() >= 2
+
+
+def describe(device: torch.device) -> tuple[str, float, int]:
+    """(name, memory bytes, devices per node) of what a hardware profile describes: the GPU's
+    name, total memory and visible count, or the machine's RAM and cores on a CPU."""
+    if runs_on_host(device):
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return "this machine's CPU", float(ram), os.cpu_count() or 1
+    memory = float(torch.cuda.get_device_properties(device).total_memory)
+    return torch.cuda.get_device_name(device), memory, torch.cuda.device_count()
+
+
+def profiler_activities(device: torch.device) -> list[ProfilerActivity]:
+    """What ``torch.profiler`` records for a rank on ``device``: the host always, the GPU's
+    kernels too where there is one."""
+    if runs_on_host(device):
+        return [ProfilerActivity.CPU]
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
 
 # ----------------------------------------------------------------------------- process groups

@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 from boostlr.config import profile_range
+from boostlr.parallel.device import profiler_activities
 
 
 class StepProfiler:
@@ -28,10 +29,7 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if self.range is None or step != self.range[0]:
             return
-        activities = [ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self._prof = profile(activities=activities)
+        self._prof = profile(activities=profiler_activities(self.device))
         self._prof.__enter__()
 
     def after_step(self, step: int) -> None:
