@@ -179,4 +179,10 @@ def test_plan_trace_json_has_the_documented_fields(tmp_path) -> None:
     for key in ("comm_bytes", "plan_comm_bytes"):
         assert set(e[key]) == {"tp", "dp", "pp"}
     assert e["comm_bytes"] == e["plan_comm_bytes"] and e["comm_bytes"]["tp"] > 0
+    # the ordered ledger: every record once, its groups' bytes adding up to comm_bytes
+    by_group = dict.fromkeys(("tp", "dp", "pp"), 0)
+    for r in e["schedule"]:
+        by_group[r["group"]] += r["bytes"]
+    assert by_group == e["comm_bytes"]
+    assert [r["phase"] for r in e["schedule"]][0] == "fwd"
     assert 0 < e["peak_bytes"] <= e["device_bytes"]

@@ -4,46 +4,47 @@ Arithmetic on shapes (docs/design.md §6). Bytes come from :mod:`boostlr.analysi
 formulas the tests check against the ledger of real runs (``comm_metrics`` is exactly what
 ``ParallelModel.step_metrics`` reports for the same rank). Time is a model:
 
-* each GEMM on a roofline, ``max(flops / (peak * eff(M, K, N)), bytes / bandwidth)``, ``eff``
-  falling for small dims; attention on it times ``attention_efficiency``;
-* element-wise work (``gemms.block_elementwise``) as bytes over the effective bandwidth, and
-  a launch per kernel (each GEMM, and ``gemms.block_kernels``' estimate of the rest); host
-  Python is assumed to overlap the asynchronous kernels, as on a GPU;
-* the optimizer step as the trainer runs it: clipping, then fused AdamW;
-* alpha-beta collectives (ring all-reduce ``2(g-1)(α + n/(g·B))``, all-gather and
-  reduce-scatter half of that, point-to-point ``α + n/B``) on the intra- or inter-node link
-  the group spans (ranks laid out tp-fastest, then dp, then pp);
-* the pipeline: ``(m·v + p - 1)`` slots of one virtual stage (the bubble is the ``p - 1``);
-* overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; TP
-  collectives sit on the autograd critical path.
+* each rank's forward and backward of one micro-batch, and the optimizer step, from
+  :mod:`boostlr.analysis.chunktime` (GEMMs on a roofline, element-wise bytes, launches, TP
+  collectives on the critical path; host Python is assumed to overlap the asynchronous
+  kernels, as on a GPU);
+* the pipeline as torch's schedule runs it (:mod:`boostlr.analysis.schedule`): every rank's
+  program of chunks and point-to-point exchanges (``α + n/B`` per boundary, on the link the
+  pp ranks span; ranks laid out tp-fastest, then dp, then pp), timed; the bubble is what
+  the slowest rank waits; interleaved keeps ``(m·v + p - 1)`` slots of one virtual stage;
+* overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; under a
+  pipeline in ``ddp`` mode the stage's gradient reduction after the last backward is exposed
+  whole.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
 
+from boostlr.analysis.chunktime import (
+    CLIP_PASSES,
+    FUSED_ADAMW_BYTES,
+    StageTime,
+    act_size,
+    collective_time,
+    elementwise_time,
+    gemm_time,
+    link_bandwidth,
+    memory_time,
+    microbatching,
+    optimizer_time,
+    stage_time,
+    stage_volume,
+)
 from boostlr.analysis.comm import (
-    CommVolume,
     fsdp_bytes,
     fsdp_pipeline_bytes,
     per_block_forward,
     pp_send_bytes,
-    tp_comm_volume,
     vocab_dp,
     vocab_dp_bytes,
 )
-from boostlr.analysis.gemms import (
-    ElementWise,
-    Gemm,
-    backward,
-    block_elementwise,
-    block_gemms,
-    block_kernels,
-    head_elementwise,
-    head_gemms,
-    head_kernels,
-)
+from boostlr.analysis.gemms import block_gemms
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import (
     BF16_CACHE,
@@ -56,14 +57,28 @@ from boostlr.analysis.memory import (
     stage_modules,
 )
 from boostlr.analysis.prediction import Prediction, planned_layout
-from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
+from boostlr.analysis.schedule import interleaved_span, pipeline_span
+from boostlr.config import PRESETS, RunConfig
 
-# The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
-# foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
-# DTensor shards alike. fp32 bytes per parameter, every operand read and every result written
-# once (tests/test_costmodel.py checks torch dispatches one kernel for it):
-FUSED_ADAMW_BYTES = 28  # one kernel: read p, g, m, v; write p, m, v
-CLIP_PASSES = (4, 8)  # _foreach_norm (read g), then clip_grads_with_norm_'s _foreach_mul_
+__all__ = [  # the time primitives live in chunktime; callers import them from here too
+    "CLIP_PASSES",
+    "FUSED_ADAMW_BYTES",
+    "Prediction",
+    "StageTime",
+    "collective_time",
+    "elementwise_time",
+    "gemm_time",
+    "link_bandwidth",
+    "memory_time",
+    "optimizer_time",
+    "stage_time",
+    "comm_metrics",
+    "memory_breakdown",
+    "planning_config",
+    "predict",
+    "state_bytes",
+    "vocab_step_bytes",
+]
 
 
 def planning_config(cfg: RunConfig) -> RunConfig:
@@ -76,17 +91,6 @@ def planning_config(cfg: RunConfig) -> RunConfig:
     out = copy.deepcopy(cfg)
     out.model.vocab_size = PRESETS[out.model.preset].vocab_size
     return out
-
-
-def act_size(cfg: RunConfig) -> int:
-    return 2 if cfg.train.dtype == "bfloat16" else FP32
-
-
-def _micro(cfg: RunConfig) -> tuple[int, int, int]:
-    """(sequences per pipeline micro-batch, pipeline micro-batches, schedule steps)."""
-    p, t = cfg.parallel, cfg.train
-    m = p.pp_microbatches if p.pp > 1 else 1
-    return t.batch_size // m, m, t.grad_accum
 
 
 def _edge_ranks(cfg: RunConfig) -> list[int]:
@@ -103,14 +107,14 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
     cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
-    seqs, mb, steps = _micro(cfg)
+    seqs, mb, steps = microbatching(cfg)
     tokens = seqs * cfg.data.seq_len
     a = act_size(cfg)
     tp = {k: 0 for k in ("bytes", "calls", "bytes_fwd", "bytes_bwd", "bytes_recompute")}
     pp_bytes = 0
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         if strategy is not None:
-            vol = _stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
+            vol = stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
             for k, v in vol.metrics(mb * steps).items():
                 tp[k.removeprefix("comm_tp_")] += v
         if p.pp > 1:
@@ -134,7 +138,7 @@ def vocab_step_bytes(cfg: RunConfig, pp_rank: int = 0) -> int:
     """One rank's dp traffic in one step for an embedding and head split over dp."""
     cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
-    seqs, mb, steps = _micro(cfg)
+    seqs, mb, steps = microbatching(cfg)
     tokens = seqs * cfg.data.seq_len
     strategy = p.strategy_for(m.arch)
     return (
@@ -148,132 +152,6 @@ def vocab_step_bytes(cfg: RunConfig, pp_rank: int = 0) -> int:
 
 
 # ----------------------------------------------------------------------------- time
-
-
-def gemm_time(g: Gemm, hw: HardwareProfile, dtype: str, elem: int) -> float:
-    """Roofline time of one (batched) GEMM plus its launch."""
-    eff = hw.gemm_eff(g.m, g.k, g.n)
-    if g.kind == "attention":
-        eff *= hw.attention_efficiency
-    compute = g.flops / (hw.flops(dtype) * eff)
-    memory = g.bytes(elem) / hw.hbm_bandwidth  # the roofline: the bandwidth itself
-    return max(compute, memory) + hw.launch
-
-
-def memory_time(nbytes: float, hw: HardwareProfile, kernels: int = 0) -> float:
-    return nbytes / (hw.hbm_bandwidth * hw.memory_efficiency) + kernels * hw.launch
-
-
-def elementwise_time(
-    ew: ElementWise, kernels: tuple[int, int], hw: HardwareProfile
-) -> tuple[float, float]:
-    """(forward, backward) seconds of non-GEMM kernels: bytes over the memory bandwidth plus
-    a launch each."""
-    return memory_time(ew.fwd, hw, kernels[0]), memory_time(ew.bwd, hw, kernels[1])
-
-
-def link_bandwidth(hw: HardwareProfile, group: int, span: int) -> tuple[float, float]:
-    """(bytes/s, latency) a group of ``group`` ranks spread over ``span`` consecutive ranks
-    gets: inside a node of all-to-all links (``intra_mesh``) a group uses only its peers'."""
-    link = hw.link(span)
-    bw = link.bandwidth
-    if span <= hw.gpus_per_node and hw.intra_mesh and hw.gpus_per_node > 1:
-        bw *= (group - 1) / (hw.gpus_per_node - 1)
-    return bw, link.latency
-
-
-def collective_time(
-    op: str, nbytes: float, calls: int, group: int, span: int, hw: HardwareProfile
-) -> float:
-    """Ring algorithms; ``nbytes`` is the ledger's payload (the full buffer)."""
-    if group <= 1 or calls == 0:
-        return 0.0
-    bw, alpha = link_bandwidth(hw, group, span)
-    steps = 2 * (group - 1) if op == "all_reduce" else group - 1
-    return calls * (steps * alpha + hw.launch) + steps / group * nbytes / bw
-
-
-@dataclass
-class StageTime:
-    """One pipeline micro-batch through one rank's stages."""
-
-    fwd: float = 0.0
-    bwd: float = 0.0
-    recompute: float = 0.0
-    tp_comm: float = 0.0
-    flops: float = 0.0
-
-    @property
-    def compute(self) -> float:
-        return self.fwd + self.bwd + self.recompute
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.tp_comm
-
-
-def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
-    p, m = cfg.parallel, cfg.model
-    strategy = p.strategy_for(m.arch)
-    seqs, _, _ = _micro(cfg)
-    s, a = cfg.data.seq_len, act_size(cfg)
-    tokens = seqs * s
-    dtype = cfg.train.dtype
-    overlap = p.tp_overlap and not cfg.train.compile  # as TPContext.overlap
-    out = StageTime()
-    for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
-        fwd = bwd = 0.0
-        per_layer: dict[bool, tuple[float, float, float]] = {}
-        for layer in layers:
-            key = layer == 0 and m.arch == "lax"  # LaX's block 0 has no crossing gate
-            if key not in per_layer:
-                gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
-                back = [b for g in gemms for b in backward(g)]
-                ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping, overlap)
-                kernels = block_kernels(m, strategy, p.tp, layer, p.grouping)
-                ew_f, ew_b = elementwise_time(ew, kernels, hw)
-                per_layer[key] = (
-                    sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f,
-                    sum(gemm_time(b, hw, dtype, a) for b in back) + ew_b,
-                    sum(g.flops for g in gemms) + sum(b.flops for b in back),
-                )
-            f_time, b_time, flops = per_layer[key]
-            fwd, bwd, out.flops = fwd + f_time, bwd + b_time, out.flops + flops
-        if p.act_ckpt != "none":  # every GEMM of a block sits in a checkpointed region
-            out.recompute += fwd
-        if last:  # with the embedding and the RoPE tables (a first stage's, a few %)
-            head = head_gemms(m, strategy, p.tp, tokens)
-            fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
-            bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
-            fused = cfg.train.fused_loss and p.pp == 1  # a pipeline's schedule owns its loss
-            head_ew = head_elementwise(m, strategy, p.tp, tokens, a, s, fused)
-            kernels = head_kernels(m, strategy, p.tp, tokens, fused)
-            ew_f, ew_b = elementwise_time(head_ew, kernels, hw)
-            fwd, bwd = fwd + ew_f, bwd + ew_b
-        out.fwd += fwd
-        out.bwd += bwd
-        if strategy is not None and p.tp > 1:
-            vol = _stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
-            # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
-            out.tp_comm += collective_time("all_reduce", vol.total, vol.calls, p.tp, p.tp, hw)
-    return out
-
-
-def optimizer_time(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> float:
-    """Gradient clipping and the AdamW step on one rank's shard, as the trainer runs them.
-
-    Memory-bound passes over the fp32 shard: the clipping norm and scale, then one fused
-    AdamW kernel (DTensor shards included). The clipping norm is all-reduced (a scalar) over
-    every mesh dim of size > 1.
-    """
-    p = cfg.parallel
-    shard = params.sharded if p.dp > 1 else params.local
-    clip = CLIP_PASSES if cfg.train.grad_clip > 0 else CLIP_PASSES[:1]  # the norm is logged
-    step = memory_time(sum(clip) * shard, hw, len(clip))
-    step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
-    for size, span in ((p.tp, p.tp), (p.dp, p.tp * p.dp), (p.pp, p.world_size)):
-        step += collective_time("all_reduce", FP32, 1, size, span, hw)
-    return step
 
 
 # ----------------------------------------------------------------------------- memory
@@ -297,7 +175,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
-    seqs, _, _ = _micro(cfg)
+    seqs, _, _ = microbatching(cfg)
     tokens = seqs * cfg.data.seq_len
     a = act_size(cfg)
     params = rank_params(m, strategy, p, pp_rank)
@@ -360,22 +238,28 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
-    seqs, mb, steps = _micro(cfg)
+    seqs, mb, steps = microbatching(cfg)
     v = p.virtual_stages
     a = act_size(cfg)
     ranks = _edge_ranks(cfg)
-    stages = {r: stage_time(cfg, hw, r) for r in ranks}
-    slowest = max(stages.values(), key=lambda st: st.total)
-    per_slot = slowest.total / v  # one virtual stage, one micro-batch
-    p2p = 0.0
-    if p.pp > 1:
+    stages = _all_stage_times(cfg, hw)
+    slowest = max(stages, key=lambda st: st.total)
+    busy = steps * mb * slowest.total  # the slowest rank's chunks
+    if p.pp == 1:
+        bubble = pp_comm = 0.0
+    else:
         one = pp_send_bytes(m, strategy, p.tp, seqs * cfg.data.seq_len, 1, False, True, a)
         bw, alpha = link_bandwidth(hw, 2, p.world_size)
-        p2p = 2 * (alpha + hw.launch + one / bw)  # one receive each way per slot
-    slots = mb * v
-    busy = steps * slots * per_slot
-    bubble = steps * (p.pp - 1) * per_slot
-    pp_comm = steps * (slots + p.pp - 1) * p2p
+        hop = alpha + hw.launch + one / bw  # one boundary, either way (a grad is its act's size)
+        if v > 1:  # interleaved: Megatron's slot count, one hop each way per slot
+            span0 = interleaved_span(mb, v, p.pp, slowest.total)
+            span = span0 + (mb * v + p.pp - 1) * 2 * hop
+        else:  # torch's own program for every rank, timed (analysis/schedule.py)
+            fwd, bwd = [st.forward for st in stages], [st.backward for st in stages]
+            span0 = pipeline_span(p.pp_schedule, mb, fwd, bwd, {"act": 0.0, "grad": 0.0})
+            span = pipeline_span(p.pp_schedule, mb, fwd, bwd, {"act": hop, "grad": hop})
+        bubble = steps * span0 - busy  # idle waiting for neighbours (fill, drain, imbalance)
+        pp_comm = steps * (span - span0)  # transfers on the critical path
     tp_comm = steps * mb * slowest.tp_comm
     compute_only = steps * mb * slowest.compute
     # Data parallel: the slowest edge rank's FSDP traffic; hidden behind compute except the
@@ -396,6 +280,8 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             span = p.dp * p.tp
             t_dp = collective_time("all_gather", nbytes, calls, p.dp, span, hw)
             exposed = max(0.0, t_dp - compute_only) + t_dp / modules
+            if p.pp > 1 and p.dp_mode != "fsdp":
+                t_dp, exposed = _reduce_after_schedule(cfg, hw, params[r], nbytes, compute_only)
             if vocab:  # embedding: 3 calls, head: 6, per micro-batch
                 edges = sum(
                     3 * first + 6 * last for _, first, last in stage_modules(p, m.n_layers, r)
@@ -452,27 +338,38 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     )
 
 
-def _stage_volume(
-    m: ModelConfig,
-    p: ParallelConfig,
-    strategy: str,
-    tokens: int,
-    act: int,
-    n_layers: int,
-    first: bool,
-    last: bool,
-) -> CommVolume:
-    """The ledger's TP traffic of one pipeline stage (its layers, embedding and head)."""
-    return tp_comm_volume(
-        replace(m, n_layers=n_layers),
-        strategy,
-        p.tp,
-        tokens,
-        norm=p.norm,
-        grouping=p.grouping,
-        act_ckpt=p.act_ckpt,
-        act_size=act,
-        first=first,
-        last=last,
-        vocab_dp=vocab_dp(m, p),
-    )
+def _all_stage_times(cfg: RunConfig, hw: HardwareProfile) -> list[StageTime]:
+    """Every pipeline rank's chunk times (ranks holding the same stage shapes share one)."""
+    p, n = cfg.parallel, cfg.model.n_layers
+    out, seen = [], {}
+    for r in range(p.pp):
+        stages = stage_modules(p, n, r)
+        shape = tuple((len(ls), ls.start, first, last) for ls, first, last in stages)
+        if cfg.model.arch != "lax":  # only LaX's block 0 differs from the others
+            shape = tuple((k, first, last) for k, _, first, last in shape)
+        if shape not in seen:
+            seen[shape] = stage_time(cfg, hw, r)
+        out.append(seen[shape])
+    return out
+
+
+def _reduce_after_schedule(
+    cfg: RunConfig, hw: HardwareProfile, params: RankParams, nbytes: int, compute: float
+) -> tuple[float, float]:
+    """(total, exposed) dp seconds of ``ddp`` mode under a pipeline.
+
+    torch's ``PipelineStage`` keeps the gathered parameters and unreduced gradients through
+    every micro-batch and reduce-scatters the whole stage in ``perform_reduce_grad``, after
+    the schedule's last backward: nothing is left to hide that reduction behind, so all of
+    it is exposed. The one gather per step is prefetched behind the first forward, as
+    without a pipeline (its first module's share exposed)."""
+    p = cfg.parallel
+    _, _, steps = microbatching(cfg)
+    modules = [n for n in params.modules if n]
+    reduce = fsdp_pipeline_bytes(modules, p.dp, steps, False, p.pp_microbatches, 0)
+    span = p.dp * p.tp
+    calls = steps * max(1, len(modules))
+    t_gather = collective_time("all_gather", nbytes - reduce, calls, p.dp, span, hw)
+    t_reduce = collective_time("reduce_scatter", reduce, calls, p.dp, span, hw)
+    exposed = max(0.0, t_gather - compute) + t_gather / max(1, len(modules)) + t_reduce
+    return t_gather + t_reduce, exposed

@@ -108,6 +108,9 @@ def trace_json(cfg: RunConfig, hw: HardwareProfile, traces: list[RankTrace]) -> 
                 "steps_equal": t.steps_equal,
                 "host_rss_bytes": t.host_rss_bytes,
                 "collectives": collective_summary(t),
+                # Step 2's ledger in the order it was issued (point-to-point included): the
+                # schedule the plan's pipeline terms are derived from.
+                "schedule": [dict(r) for r in t.records],
             }
         )
     return out
