@@ -24,11 +24,11 @@ from common import machine
 from boostlr.config import build_config
 from boostlr.models.init import init_rule
 from boostlr.models.llama import LlamaModel
+from boostlr.models.placement import stage_layers
 from boostlr.parallel.build import materialize
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.ledger import CommLedger
-from boostlr.parallel.pipeline import stage_layers
 from boostlr.parallel.sharding import shard_tensor
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 

@@ -1,9 +1,9 @@
 """Parameters each rank holds and the memory a training step needs on it (docs/design.md §4, §6).
 
 Parameter shapes come from the model itself, built on the meta device (no storage, so a 30B
-model costs nothing); each parameter's split dim follows the strategies' sharding rules
-(:func:`shard_dim`, docs/design.md §3), and the tests check the resulting shard sizes against
-what the trainer materialises. Nothing here imports the parallel engine.
+model costs nothing); each parameter's split dim is the strategies' own sharding rule
+(:func:`boostlr.models.placement.shard_dim`), and the tests check the resulting shard sizes
+against what the trainer materialises. Nothing here imports the parallel engine.
 Activation memory is an estimate of the tensors autograd saves per block under each
 ``act_ckpt`` mode, times the pipeline micro-batches in flight.
 """
@@ -17,6 +17,7 @@ from functools import lru_cache
 
 from boostlr.analysis.comm import vocab_dp
 from boostlr.config import ModelConfig, ParallelConfig
+from boostlr.models.placement import chunk_range, shard_dim, stage_ids, stage_layers
 
 FP32 = 4
 BF16_CACHE = 2  # autocast keeps a bf16 copy of every weight it casts until the forward ends
@@ -36,45 +37,7 @@ def param_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return _param_shapes(tuple(sorted(dataclasses.asdict(cfg).items())))
 
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # Megatron's output-split
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
-
-
-def shard_dim(name: str, strategy: str | None) -> int | None:
-    """The dim a strategy splits parameter ``name`` along (``None``: replicated).
-
-    Megatron splits q/k/v/gate/up by output and o/down by input; vanilla splits each A's rank
-    rows and each B's rank columns; both are vocab-parallel. BTP splits the residual's d: the
-    embedding's columns, the norm gains, each A's input and each B's output (the head stays
-    vocab-parallel). Norm gains elsewhere and LaX's crossings are replicated.
-    """
-    if strategy is None:
-        return None
-    if strategy == "btp":
-        if name == "embed_tokens.weight" or name.endswith(".down.weight"):
-            return 1
-        if name == "norm.weight" or name.endswith(("layernorm.weight", ".up.weight")):
-            return 0
-        return 0 if name == "lm_head.weight" else None
-    if name in VOCAB:
-        return 0
-    if strategy == "vanilla":
-        return 0 if name.endswith(".down.weight") else 1 if name.endswith(".up.weight") else None
-    linear = name.split(".")[-2] if name.endswith(".weight") else ""
-    return 0 if linear in COLUMN else 1 if linear in ("o_proj", "down_proj") else None
-
-
-def chunk_range(size: int, rank: int, tp: int) -> tuple[int, int]:
-    """``[start, end)`` of rank's chunk of a dim of ``size``, split ``torch.chunk``-style."""
-    step = -(-size // tp)
-    start = min(rank * step, size)
-    return start, min(start + step, size)
-
-
-def stage_layers(n_layers: int, num_stages: int, stage: int) -> range:
-    """The blocks of pipeline stage ``stage`` (equal split, as the trainer's)."""
-    per = n_layers // num_stages
-    return range(stage * per, (stage + 1) * per)
 
 
 def _layer_of(name: str) -> int | None:
@@ -109,7 +72,7 @@ class RankParams:
 def stage_modules(p: ParallelConfig, n_layers: int, pp_rank: int) -> list[tuple[range, bool, bool]]:
     """(layers, first, last) of each stage a pp rank holds (interleaved: rank + k*pp)."""
     out = []
-    for sid in (pp_rank + k * p.pp for k in range(p.virtual_stages)):
+    for sid in stage_ids(p, pp_rank):
         layers = stage_layers(n_layers, p.num_stages, sid)
         out.append((layers, sid == 0, sid == p.num_stages - 1))
     return out

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
 from boostlr.models.lowrank import LowRankLinear
 from boostlr.models.norm import rms_norm
@@ -40,22 +39,7 @@ from boostlr.parallel.collectives import (
     reduce_from_group,
 )
 from boostlr.parallel.context import TPContext, wire
-from boostlr.parallel.sharding import REPLICATED, ShardSpec
 from boostlr.parallel.vocab import vocab_parallel_embedding
-
-
-def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
-    if name == "embed_tokens.weight":
-        return ShardSpec(1)  # split along d: the lookup yields this rank's residual slice
-    if name == "lm_head.weight":
-        return ShardSpec(0)
-    if name.endswith("layernorm.weight") or name == "norm.weight":
-        return ShardSpec(0)  # gains follow the d-sharded residual
-    if name.endswith(".down.weight"):
-        return ShardSpec(1)  # A row-parallel: split its input
-    if name.endswith(".up.weight"):
-        return ShardSpec(0)  # B column-parallel: split its output
-    return REPLICATED  # LaX crossing acts on replicated latents
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:

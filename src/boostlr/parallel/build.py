@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from boostlr.config import RunConfig
 from boostlr.models.init import initial_value
 from boostlr.models.llama import LlamaModel
+from boostlr.models.placement import chunk_range, stage_ids, stage_layers
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
 from boostlr.parallel.mesh import MeshComms
-from boostlr.parallel.pipeline import stage_ids, stage_layers
-from boostlr.parallel.sharding import ShardSpec, chunk_range, shard_box
+from boostlr.parallel.sharding import ShardSpec, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 

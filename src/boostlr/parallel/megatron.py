@@ -9,34 +9,11 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
 from boostlr.models.params import local
 from boostlr.parallel.collectives import copy_to_group, reduce_from_group
 from boostlr.parallel.context import TPContext, wire
-from boostlr.parallel.sharding import REPLICATED, ShardSpec
 from boostlr.parallel.vocab import vocab_parallel_embedding
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-
-
-def vocab_specs(cfg: ModelConfig, tp: int) -> dict[str, ShardSpec]:
-    """Vocab-parallel embedding and head, shared with vanilla TP."""
-    vocab = ShardSpec(0)
-    return {"embed_tokens.weight": vocab, "lm_head.weight": vocab}
-
-
-def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
-    vocab = vocab_specs(cfg, tp)
-    if name in vocab:
-        return vocab[name]
-    linear = name.split(".")[-2] if name.endswith(".weight") else ""
-    if linear in COLUMN:
-        return ShardSpec(0)
-    if linear in ROW:
-        return ShardSpec(1)
-    return REPLICATED  # norm gains
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:

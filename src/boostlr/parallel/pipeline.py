@@ -26,8 +26,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._backward import stage_backward
 
-from boostlr.config import ParallelConfig, RunConfig
+from boostlr.config import RunConfig
 from boostlr.models.params import local
+from boostlr.models.placement import stage_ids
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.context import compute_dtype
 from boostlr.parallel.tensor_parallel import (
@@ -37,16 +38,6 @@ from boostlr.parallel.tensor_parallel import (
 )
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def stage_ids(p: ParallelConfig, pp_rank: int) -> list[int]:
-    """Global stage indices held by ``pp_rank`` (interleaved: loop order, rank + k*pp)."""
-    return [pp_rank + k * p.pp for k in range(p.virtual_stages)]
-
-
-def stage_layers(n_layers: int, num_stages: int, stage: int) -> range:
-    per = n_layers // num_stages
-    return range(stage * per, (stage + 1) * per)
 
 
 def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:

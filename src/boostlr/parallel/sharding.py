@@ -2,9 +2,10 @@
 
 A sharded model keeps the single-device module tree and parameter names; each parameter is
 replaced by its contiguous chunk along one dim (``ShardSpec.dim``) or kept whole
-(``dim=None``, replicated). Because names and split dims are explicit, the full model can be
-rebuilt from any layout (checkpoints, export, gradient checks) and a sharded run starts from
-exactly the slices of the seeded single-device weights.
+(``dim=None``, replicated), as the strategy's rule in :mod:`boostlr.models.placement` says.
+Because names and split dims are explicit, the full model can be rebuilt from any layout
+(checkpoints, export, gradient checks) and a sharded run starts from exactly the slices of
+the seeded single-device weights.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from boostlr.models.placement import chunk_range
 from boostlr.parallel.collectives import GroupComm
 
 
@@ -28,16 +30,6 @@ class ShardSpec:
     """
 
     dim: int | None
-
-
-REPLICATED = ShardSpec(None)
-
-
-def chunk_range(size: int, rank: int, tp: int) -> tuple[int, int]:
-    """``[start, end)`` of rank's chunk of a dim of ``size`` split ``torch.chunk``-style."""
-    step = -(-size // tp)
-    start = min(rank * step, size)
-    return start, min(start + step, size)
 
 
 def shard_box(

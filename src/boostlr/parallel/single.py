@@ -13,17 +13,11 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, LlamaModel
 from boostlr.models.params import local
 from boostlr.parallel import btp
 from boostlr.parallel.context import TPContext
-from boostlr.parallel.sharding import REPLICATED, ShardSpec
 from boostlr.parallel.vocab import vocab_parallel_embedding
-
-
-def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
-    return REPLICATED
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.models.params import local
+from boostlr.models.placement import shard_dim
 from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext, wire
@@ -72,8 +73,7 @@ class TensorParallelModel(nn.Module):
         self.ctx = ctx
         self.strategy = STRATEGIES[strategy] if strategy else single
         self.specs: dict[str, ShardSpec] = {
-            name: self.strategy.param_spec(name, self.cfg, ctx.comm.size)
-            for name, _ in model.named_parameters()
+            name: ShardSpec(shard_dim(name, strategy)) for name, _ in model.named_parameters()
         }
         if full_shapes is None:
             full_shapes = shard_module(model, self.specs, ctx.comm.rank, ctx.comm.size)

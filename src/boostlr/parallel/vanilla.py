@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from boostlr.config import ModelConfig
 from boostlr.models.llama import Block, Latents, causal_attention, mlp_product
 from boostlr.models.lowrank import LaxLinear, LowRankLinear
 from boostlr.models.params import local
@@ -24,22 +23,10 @@ from boostlr.parallel.collectives import (
     scatter_to_group,
 )
 from boostlr.parallel.context import TPContext, wire
-from boostlr.parallel.sharding import REPLICATED, ShardSpec
 
 # The dense parts (embedding, LM head, loss) are Megatron's vocab-parallel ones.
 embed = megatron.embed
 head_input = megatron.head_input
-
-
-def param_spec(name: str, cfg: ModelConfig, tp: int) -> ShardSpec:
-    vocab = megatron.vocab_specs(cfg, tp)
-    if name in vocab:
-        return vocab[name]
-    if name.endswith(".down.weight"):
-        return ShardSpec(0)  # A: rank rows split
-    if name.endswith(".up.weight"):
-        return ShardSpec(1)  # B: rank columns split
-    return REPLICATED  # norm gains, LaX crossing
 
 
 def lowrank_linear(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from boostlr.models.placement import chunk_range
 from boostlr.parallel.collectives import (
     GroupComm,
     all_reduce_,
@@ -30,7 +31,6 @@ from boostlr.parallel.collectives import (
     reduce_from_group,
     reduce_scatter_to_group,
 )
-from boostlr.parallel.sharding import chunk_range
 
 
 @dataclass(frozen=True)
