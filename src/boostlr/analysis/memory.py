@@ -19,7 +19,7 @@ from boostlr.analysis.comm import vocab_dp
 from boostlr.config import ModelConfig, ParallelConfig
 
 FP32 = 4
-BF16_CACHE = 2  # autocast keeps a bf16 copy of every weight it casts until the forward ends
+BF16_CACHE = 2  # bytes of a weight's bf16 copy, cast by `local()` for its GEMMs
 
 
 @lru_cache(maxsize=32)
