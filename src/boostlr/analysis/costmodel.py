@@ -316,8 +316,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
                 # torch's pipeline stage keeps the gradients unsharded (reduce dtype, fp32)
                 # from the first backward until the step's last one reduce-scatters them;
                 # the sharded ones appear only then, after the micro-batches' activations.
-                held = grads_held_at_activation_peak(p, pp_rank, cfg.train.grad_accum)
-                out["grads"] = FP32 * gathered if held else 0.0
+                out["grads"] = FP32 * gathered
     if a == 2:
         # The GEMMs save the bf16 copies of the weights they read (``local(param)``, not a
         # leaf, so autocast caches none): every weight's until its backward without
