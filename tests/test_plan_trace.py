@@ -204,15 +204,35 @@ def test_plan_trace_json_has_the_documented_fields(tmp_path) -> None:
         sys.executable, "-m", "boostlr.cli", "plan", "--hardware", "h100-sxm", "--gpus", "2",
         "--trace", "--json", "--model.preset", "tiny", "--data.seq_len", "16",
         "--train.batch_size", "2", "--parallel.tp", "2", "--parallel.dp", "1",
+        "--trace-rank", "1",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     entries = json.loads(out.stdout)["trace"]
-    assert [e["rank"] for e in entries] == [0]
+    assert [(e["rank"], e["tp_rank"]) for e in entries] == [(1, 1)]  # the one asked for
     e = entries[0]
+    assert e["wall_s"] > 0
     for key in ("rank", "pp_stage", "peak_bytes", "plan_peak_bytes"):
         assert isinstance(e[key], int)
     for key in ("comm_bytes", "plan_comm_bytes"):
         assert set(e[key]) == {"tp", "dp", "pp"}
     assert e["comm_bytes"] == e["plan_comm_bytes"] and e["comm_bytes"]["tp"] > 0
     assert 0 < e["peak_bytes"] <= e["device_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace-rank", "0"], "add --trace"),
+        (["--trace", "--trace-rank", "2"], "--trace-rank 2 is not a rank of a world of 2"),
+    ],
+)
+def test_trace_rank_is_checked(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from boostlr.cli import main
+
+    base = ["plan", "--hardware", "h100-sxm", "--gpus", "2", "--model.preset", "tiny"]
+    code = main([*base, "--parallel.tp", "2", "--parallel.dp", "1", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
