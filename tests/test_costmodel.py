@@ -283,6 +283,22 @@ def test_profiles_load_and_user_profiles_win(
     assert code == 0 and not any(r["fits"] for r in json.loads(out)["rows"])  # 1 GB
 
 
+def test_profiles_hold_the_cards_capacity_in_mib(tmp_path) -> None:
+    """A data sheet's "40 GB" is 40 GiB: each shipped profile is nvidia-smi's total in MiB
+    (not 40e9 bytes, 7% short); a user file's ``memory_gb`` still reads as 1e9 bytes."""
+    mib = {"a100-40gb": 40960, "a100-80gb": 81920, "h100-sxm": 81559, "h200": 143771}
+    for name, total in mib.items():
+        assert load_profile(name).memory == total * 2**20
+    assert load_profile("a100-40gb").memory == 40 * 2**30
+    text = load_profile("a100-40gb").to_toml()
+    assert "memory_gb = 42.94967296" in text  # written back in the old unit, exactly
+    (tmp_path / "gb.toml").write_text(text.replace("42.94967296", "40.0"))
+    assert load_profile(str(tmp_path / "gb.toml")).memory == 40e9
+    (tmp_path / "none.toml").write_text(text.replace("memory_gb = 42.94967296\n", ""))
+    with pytest.raises(ConfigError, match="memory_mib"):
+        load_profile(str(tmp_path / "none.toml"))
+
+
 # --- boostlr plan --plot -------------------------------------------------------------------
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

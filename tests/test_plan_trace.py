@@ -89,6 +89,42 @@ def test_trace_matches_real_gloo_run(name: str) -> None:
             assert fake.comm_bytes() == planned, f"{name} rank {rank}: plan's bytes differ"
 
 
+BLOCK_CASES = {  # config overrides: each strategy, with and without recompute, under bf16
+    "full-none": {"model.arch": "full", "parallel.tp_strategy": "megatron"},
+    "vanilla-block": {"parallel.tp_strategy": "vanilla", "parallel.act_ckpt": "block"},
+    "btp-lowrank": {"parallel.tp_strategy": "btp", "parallel.act_ckpt": "lowrank"},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_plans_bytes_per_block_are_the_traced_ones(name: str) -> None:
+    """What one more block adds to a rank's peak (its state, the bf16 weight copies its
+    GEMMs keep, the activations it saves) is the plan's, within 1%; the whole peak within
+    10% (at this width the head and loss weigh more than at paper scale). Two depths of the
+    same bf16 tp2 layout, two micro-batches (gradients held)."""
+    from boostlr.analysis.costmodel import memory_breakdown
+    from boostlr.analysis.hardware import load_profile
+    from boostlr.analysis.plan import load_config
+    from boostlr.config import parse_overrides
+    from boostlr.trace.run import trace_rank
+
+    hw = load_profile("a100-40gb")
+    base = {"model.preset": "small", "model.vocab_size": "512", "data.seq_len": "256",
+            "train.dtype": "bfloat16", "train.batch_size": "1", "train.global_batch": "2",
+            "parallel.tp": "2", **BLOCK_CASES[name]}  # fmt: skip
+    traced, planned = {}, {}
+    for layers in (2, 4):
+        args = [f"--{k}={v}" for k, v in {**base, "model.n_layers": layers}.items()]
+        cfg = load_config(None, parse_overrides(args), 2, False)
+        traced[layers] = trace_rank(cfg, 0).peak_bytes
+        plan = memory_breakdown(cfg, hw, 0)
+        planned[layers] = sum(v for k, v in plan.items() if k != "reserved")
+        assert planned[layers] == pytest.approx(traced[layers], rel=0.1), name
+    per_block = (traced[4] - traced[2]) / 2
+    assert (planned[4] - planned[2]) / 2 == pytest.approx(per_block, rel=0.01), name
+
+
 def test_traced_ranks_cover_every_role() -> None:
     cfg = _cfg(2, 2, 2)  # VOCAB 101 does not split evenly over dp x tp = 4
     assert traced_ranks(cfg) == [0, 3, 4, 7]
@@ -168,12 +204,14 @@ def test_plan_trace_json_has_the_documented_fields(tmp_path) -> None:
         sys.executable, "-m", "boostlr.cli", "plan", "--hardware", "h100-sxm", "--gpus", "2",
         "--trace", "--json", "--model.preset", "tiny", "--data.seq_len", "16",
         "--train.batch_size", "2", "--parallel.tp", "2", "--parallel.dp", "1",
+        "--trace-rank", "1",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     entries = json.loads(out.stdout)["trace"]
-    assert [e["rank"] for e in entries] == [0]
+    assert [(e["rank"], e["tp_rank"]) for e in entries] == [(1, 1)]  # the one asked for
     e = entries[0]
+    assert e["wall_s"] > 0
     for key in ("rank", "pp_stage", "peak_bytes", "plan_peak_bytes"):
         assert isinstance(e[key], int)
     for key in ("comm_bytes", "plan_comm_bytes"):
@@ -186,3 +224,21 @@ def test_plan_trace_json_has_the_documented_fields(tmp_path) -> None:
     assert by_group == e["comm_bytes"]
     assert [r["phase"] for r in e["schedule"]][0] == "fwd"
     assert 0 < e["peak_bytes"] <= e["device_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace-rank", "0"], "add --trace"),
+        (["--trace", "--trace-rank", "2"], "--trace-rank 2 is not a rank of a world of 2"),
+    ],
+)
+def test_trace_rank_is_checked(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from boostlr.cli import main
+
+    base = ["plan", "--hardware", "h100-sxm", "--gpus", "2", "--model.preset", "tiny"]
+    code = main([*base, "--parallel.tp", "2", "--parallel.dp", "1", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err

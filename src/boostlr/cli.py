@@ -117,6 +117,15 @@ def _parser() -> argparse.ArgumentParser:
         "process group of --gpus ranks: peak tensor bytes and every collective, beside the plan",
     )
     pl.add_argument(
+        "--trace-rank",
+        type=int,
+        action="append",
+        default=None,
+        metavar="RANK",
+        help="with --trace: trace only this global rank (repeat for more) instead of one of "
+        "each role",
+    )
+    pl.add_argument(
         "--plot",
         default=None,
         metavar="OUT.png",
@@ -309,6 +318,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
     cfg = plan.load_config(args.config, parse_overrides(overrides), args.gpus, args.search)
     if args.search and args.trace:
         raise BoostlrError("--trace traces the config's own layout: drop --search")
+    if args.trace_rank is not None and not args.trace:
+        raise BoostlrError("--trace-rank picks the ranks --trace traces: add --trace")
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)
         if args.json:
@@ -343,7 +354,7 @@ def _trace(cfg, hw, args: argparse.Namespace) -> list[dict]:
 
     if not args.gpus:
         raise BoostlrError("--trace needs --gpus N: the world size to trace")
-    return trace_json(cfg, hw, trace(cfg))
+    return trace_json(cfg, hw, trace(cfg, args.trace_rank))
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:

@@ -187,10 +187,21 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             units = max(2 * params.largest_block, params.largest_module)
             out["gathered"] = FP32 * (2 * (units + params.roots) + params.largest_module)
         else:  # parameters stay gathered from forward to backward (a dp-split vocabulary not)
+            # in FSDP's param dtype (the compute dtype under bf16).
             gathered = params.local - params.vocab_local
-            out["gathered"] = FP32 * (gathered + params.largest_module)
+            out["gathered"] = a * gathered + FP32 * params.largest_module
+            if p.pp > 1:
+                # torch's pipeline stage keeps the gradients unsharded (reduce dtype, fp32)
+                # from the first backward until the step's last one reduce-scatters them;
+                # the sharded ones appear only then, after the micro-batches' activations.
+                out["grads"] = FP32 * gathered
     if a == 2:
-        out["bf16_weights"] = BF16_CACHE * params.local
+        # The GEMMs save the bf16 copies of the weights they read (``local(param)``, not a
+        # leaf, so autocast caches none): every weight's until its backward without
+        # recompute; under recompute only the recomputed block's, while it runs again.
+        # At dp > 1 FSDP's mixed precision gathers bf16 already: there is nothing to copy.
+        held = params.local if p.act_ckpt == "none" else params.largest_block
+        out["bf16_weights"] = BF16_CACHE * held if p.dp == 1 else 0.0
     stages = stage_modules(p, m.n_layers, pp_rank)
     layers = sum(len(layers) for layers, _, _ in stages)
     per_block = activation_bytes_per_block(m, strategy, p.tp, tokens, a, p.act_ckpt)
@@ -200,6 +211,12 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     split_dp = vocab_dp(m, p)  # a vocabulary split over dp sees all dp tokens
     if any(last for _, _, last in stages):
+        # The final norm, outside every block (rms_norm's fp32 input and x·rsqrt and its
+        # output's GEMM cast; BTP's folded one: its fp32 slice, normalised and gained).
+        # Under recompute the peak is a block's re-forward, after the norm's backward.
+        res = m.dim // p.tp if strategy == "btp" else m.dim
+        if p.act_ckpt == "none":
+            acts += tokens * res * (FP32 + 2 * a if strategy == "btp" else 2 * FP32 + a)
         # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
         # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
         fused = cfg.train.fused_loss and p.pp == 1

@@ -1,10 +1,14 @@
 """Hardware profiles for the cost model: compute, memory, and the links between GPUs.
 
 A profile is a small TOML file (units a person can check against a data sheet: TFLOP/s,
-GB/s, GB, µs). Shipped profiles live in ``boostlr/hardware/``; users add their own to
-``$BOOSTLR_HARDWARE`` (a directory) or ``<cache>/hardware`` (``$BOOSTLR_CACHE``, default
-``~/.cache/boostlr``), where ``boostlr calibrate`` writes ``local.toml``. A user file of the
-same name wins over a shipped one; ``--hardware path/to/file.toml`` reads one file directly.
+GB/s, GB, µs). A card's memory is given as ``memory_mib``, the MiB ``nvidia-smi`` reports
+as its total: data sheets say "40 GB" for 40 GiB (40960 MiB), so ``memory_gb`` (1e9 bytes,
+still read when ``memory_mib`` is absent) would understate it by 7%.
+
+Shipped profiles live in ``boostlr/hardware/``; users add their own to ``$BOOSTLR_HARDWARE``
+(a directory) or ``<cache>/hardware`` (``$BOOSTLR_CACHE``, default ``~/.cache/boostlr``),
+where ``boostlr calibrate`` writes ``local.toml``. A user file of the same name wins over a
+shipped one; ``--hardware path/to/file.toml`` reads one file directly.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 GB = 1e9
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
             name=str(_req(data, "name", where)),
             description=str(data.get("description", "")),
             source=str(data.get("source", "")),
-            memory=float(_req(data, "memory_gb", where)) * GB,
+            memory=_memory(data, where),
             reserved=float(data.get("reserved_gb", 0.0)) * GB,
             gpus_per_node=int(_req(data, "gpus_per_node", where)),
             peak_flops=peaks,
@@ -156,6 +161,15 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"hardware profile {where}: bad value ({exc})") from None
+
+
+def _memory(data: dict[str, Any], where: str) -> float:
+    """Bytes per device: ``memory_mib`` (nvidia-smi's total) or else ``memory_gb``."""
+    if "memory_mib" in data:
+        return float(data["memory_mib"]) * MIB
+    if "memory_gb" in data:
+        return float(data["memory_gb"]) * GB
+    raise ConfigError(f"hardware profile {where}: missing key 'memory_mib' (or 'memory_gb')")
 
 
 def _device(value: str, where: str) -> str:

@@ -20,7 +20,7 @@ from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.placement import chunk_range, shard_dim, stage_ids, stage_layers
 
 FP32 = 4
-BF16_CACHE = 2  # autocast keeps a bf16 copy of every weight it casts until the forward ends
+BF16_CACHE = 2  # bytes of a weight's bf16 copy, cast by `local()` for its GEMMs
 
 
 @lru_cache(maxsize=32)
@@ -157,29 +157,46 @@ def _rank_params(
 def activation_bytes_per_block(
     cfg: ModelConfig, strategy: str | None, tp: int, tokens: int, act: int, act_ckpt: str
 ) -> float:
-    """Bytes autograd keeps per block for one micro-batch until its backward (estimate)."""
+    """Bytes autograd keeps per block for one micro-batch until its backward (estimate).
+
+    Counted from what the block's operators save (checked against the traced trainer per
+    block, ``benchmarks/RESULTS.md``): the fp32 residual, each norm's saved tensors, q and k
+    after RoPE with v and the attention output, the MLP's products, and the latents.
+    """
     T, t = tokens, tp if strategy else 1
     d, kv, f = cfg.dim, cfg.kv_dim, cfg.ffn_dim
     r = cfg.rank or 0
     res = d // t if strategy == "btp" else d  # residual width on this rank
     lax_lat = 7 * T * r * act if cfg.arch == "lax" else 0  # latents handed to the next block
+    # BTP's folded norms (at TP > 1) hand the qkv and gate/up latents (5 of the 7) over in
+    # fp32, normalised after the all-reduce, and σ keeps them so (btp._Normalise).
+    normed = 5 * r if strategy == "btp" and t > 1 else 0
+    # σ's inputs of the replicated latents (BTP), and the region inputs (σ's outputs).
+    btp_latents = T * (normed * FP32 + (7 * r - normed) * act) + T * 7 * r * act
     if act_ckpt == "block":
         return T * res * FP32 + lax_lat
     if act_ckpt == "lowrank":  # region inputs: the replicated latents and the residual slice
         # (BTP's folded norms keep only their outputs, which σ keeps anyway, not the
         # all-reduced sums they divide: boostlr.parallel.btp._Normalise.)
-        return 2 * T * 7 * r * act + 2 * T * res * FP32 + lax_lat
+        return btp_latents + 2 * T * res * FP32 + lax_lat
     heads_w = d if strategy == "vanilla" else d // t  # vanilla replicates q/k/v and attention
     kv_w = kv if strategy == "vanilla" else kv // t
     ff = f if strategy == "vanilla" else f // t
-    norm_w = res
-    total = 2 * T * res * FP32 + 2 * T * norm_w * act  # norm inputs and outputs
-    total += 2 * T * (heads_w + 2 * kv_w) * act  # q, k, v before and after RoPE
-    total += T * heads_w * act + T * (cfg.n_heads // (1 if strategy == "vanilla" else t)) * FP32
-    total += 4 * T * ff * act  # gate, up, σ(gate), product
+    if strategy == "btp":  # folded norm: its fp32 input, the normalised and the gained slice
+        total = 2 * (T * res * FP32 + 2 * T * res * act)
+    else:  # rms_norm: its fp32 input, x·rsqrt (fp32, for the gain), the output's GEMM cast
+        total = 2 * (2 * T * res * FP32 + T * res * act)
+    total += T * (2 * heads_w + 2 * kv_w) * act  # q and k after RoPE, v, attention's output
+    total += 4 * T * cfg.head_dim * act  # RoPE's cos/sin, cast for q and for k
+    total += T * (cfg.n_heads // (1 if strategy == "vanilla" else t)) * FP32  # logsumexp
+    # swiglu: gate, up, silu(gate), product; lowrank-only: gate, up, product.
+    total += (4 if cfg.mlp_form == "swiglu" else 3) * T * ff * act
     if cfg.lowrank:
-        lat = r // t if strategy == "vanilla" else r
-        total += 7 * 2 * T * lat * act  # A's outputs and σ's outputs
+        if strategy == "btp":
+            total += btp_latents
+        else:  # A's outputs and σ's outputs (vanilla: this rank's r/t columns)
+            lat = r // t if strategy == "vanilla" else r
+            total += 7 * 2 * T * lat * act
         total += lax_lat
     return float(total)
 

@@ -63,6 +63,10 @@ PRESETS: dict[str, Preset] = {
     "7B": Preset(4096, 11008, 32, 32, 32),
     "13B": Preset(5120, 13824, 40, 40, 40),
     "30B": Preset(6656, 17920, 60, 52, 52),
+    # The BOOST paper's weak-scaling series ends at 40B; its shape is not published here:
+    # LLaMA's rules at d 8192 (ffn 2/3 x 4d rounded up to 256, 128-wide heads), 48 blocks
+    # (39.4B parameters with the 32k vocabulary; 48 splits over pp 2, 4, 8, 12, 16).
+    "40B": Preset(8192, 22016, 48, 64, 64),
 }
 
 
@@ -73,7 +77,7 @@ class ModelConfig:
     preset: str = "small"
     """Shape preset: dim, ffn_dim, layers, heads and kv heads. ``tiny`` (64/176/2 layers/4
     heads) and ``small`` (128/352/4 layers/4 heads) are for tests and the CPU demo; ``60M`` to
-    ``30B`` are LLaMA shapes."""
+    ``40B`` are LLaMA shapes."""
     arch: Arch = "cola"
     """``full`` (dense LLaMA), ``cola`` (``B σ(A x)``), ``svd`` (``B A x``) or ``lax``
     (``B σ(LN_r(A x + G(z_prev)))``: CoLA with a gated crossing from the previous layer's

@@ -107,6 +107,7 @@ def trace_json(cfg: RunConfig, hw: HardwareProfile, traces: list[RankTrace]) -> 
                 "plan_comm_bytes": plan["comm_bytes"],
                 "steps_equal": t.steps_equal,
                 "host_rss_bytes": t.host_rss_bytes,
+                "wall_s": round(t.wall_s, 1),
                 "collectives": collective_summary(t),
                 # Step 2's ledger in the order it was issued (point-to-point included): the
                 # schedule the plan's pipeline terms are derived from.

@@ -21,10 +21,10 @@ checks each still exists and behaves, so a torch upgrade that moves one fails th
   already active (the trace's) or a fresh one (a real run's). They hold no memory on any
   device: :func:`shape_propagation_paused` has a counter look away meanwhile.
 * For the storage counter: ``torch.utils._python_dispatch`` (``TorchDispatchMode``, the
-  test for a wrapper subclass such as DTensor), ``torch.utils._pytree.tree_leaves`` and
-  ``torch._C._current_graph_task_id`` (whether the autograd engine is running: backward),
-  a storage's identity (``UntypedStorage._cdata``, the address of its implementation) and
-  whether an operator may mutate its arguments (``OpOverload._schema.is_mutable``).
+  test for a wrapper subclass such as DTensor), ``torch._C._current_graph_task_id``
+  (whether the autograd engine is running: backward), a storage's identity
+  (``UntypedStorage._cdata``, the address of its implementation) and whether an operator
+  may mutate its arguments (``OpOverload._schema.is_mutable``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 FAKE_BACKEND = "fake"
 
@@ -59,7 +58,6 @@ __all__ = [
     "storage_key",
     "is_traceable_wrapper_subclass",
     "shape_propagation_paused",
-    "tree_leaves",
     "TorchDispatchMode",
 ]
 

@@ -48,6 +48,7 @@ class RankTrace:
     records: list[dict] = field(default_factory=list)  # step 2's ledger, in order
     steps_equal: bool = True  # step 1 sent the same collectives as step 2
     host_rss_bytes: int = 0  # this process's peak resident memory (Linux: ru_maxrss in KiB)
+    wall_s: float = 0.0  # seconds the traced process spent on the build and both steps
 
     @property
     def peak_bytes(self) -> int:

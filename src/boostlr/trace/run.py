@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import time
 import traceback
 from typing import Any
 
@@ -67,7 +68,10 @@ def _child(cfg: RunConfig, rank: int, results: Any) -> None:
         import torch
 
         torch.set_num_threads(1)
-        results.put((rank, True, trace_here(cfg, rank).as_dict()))
+        start = time.perf_counter()
+        traced = trace_here(cfg, rank)
+        traced.wall_s = time.perf_counter() - start
+        results.put((rank, True, traced.as_dict()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -100,10 +104,15 @@ def trace_rank(cfg: RunConfig, rank: int, timeout_s: float = TIMEOUT_S) -> RankT
     return RankTrace(**payload)
 
 
-def trace(cfg: RunConfig) -> list[RankTrace]:
-    """One :class:`RankTrace` per role, one fresh process each, one after the other."""
+def trace(cfg: RunConfig, ranks: list[int] | None = None) -> list[RankTrace]:
+    """One :class:`RankTrace` per role (or per rank of ``ranks``), one fresh process each,
+    one after the other."""
     cfg = planning_config(cfg)  # the preset's vocabulary when the config leaves it to the data
-    return [trace_rank(cfg, r) for r in traced_ranks(cfg)]
+    world = cfg.parallel.world_size
+    for r in ranks or ():
+        if not 0 <= r < world:
+            raise BoostlrError(f"--trace-rank {r} is not a rank of a world of {world}")
+    return [trace_rank(cfg, r) for r in (sorted(set(ranks)) if ranks else traced_ranks(cfg))]
 
 
 def describe_rank(cfg: RunConfig, rank: int) -> str:
