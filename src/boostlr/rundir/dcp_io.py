@@ -20,6 +20,7 @@ Three things boostlr needs that DCP does not offer as API:
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import threading
 import warnings
@@ -32,8 +33,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from boostlr.faults import SLOW_IO_ENV, throttle_io
 from boostlr.rundir.streams import HashingStream
 
 
@@ -184,7 +187,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata unpickled through an allowlist."""
+    """DCP's file reader with the metadata unpickled through an allowlist (and the reads
+    slowed by ``BOOSTLR_SLOW_IO`` in tests, by the bytes ``storage_data`` lists)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        done = super().read_data(plan, planner)
+        if os.environ.get(SLOW_IO_ENV):
+            throttle_io(sum(self.storage_data[i.storage_index].length for i in plan.items))
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -22,6 +22,8 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from boostlr.faults import throttle_io
+
 # Writes at least this large are hashed in the second thread; smaller ones inline, where a
 # thread hand-off would cost more than it saves.
 PARALLEL_HASH_BYTES = 1 << 20
@@ -75,6 +77,7 @@ class HashingStream(io.IOBase):
             finally:
                 hashing.result()
         self.size += len(view)
+        throttle_io(len(view))
         return len(view)
 
     def _write_all(self, view: memoryview) -> None:
