@@ -24,9 +24,10 @@ from typing import Any
 
 from boostlr.faults import throttle_io
 
-# Writes at least this large are hashed in the second thread; smaller ones inline, where a
-# thread hand-off would cost more than it saves.
-PARALLEL_HASH_BYTES = 1 << 20
+# Writes at least this large are hashed in the second thread; smaller ones inline: on a
+# machine with fewer free cores than threads, waking the hashing thread for every
+# megabyte-sized tensor cost more than the overlap saved.
+PARALLEL_HASH_BYTES = 8 << 20
 # A large write reaches the file in pieces of this size, so the background sync can start
 # within one large tensor.
 WRITE_PIECE_BYTES = 8 << 20
