@@ -7,12 +7,17 @@ The floor a save is measured against: each rank writes the same bytes it wrote i
 checkpoint (its shards and RNG file, from memory) to one file and fsyncs it, as many times.
 A save hashes while it writes, so its blocking time should stay close to that floor.
 
-Printed per world size, from one run (rank 0's medians): MB/s per rank for save and load
-(this rank's shard bytes / wall time), the seconds the caller was blocked per save (sync and
-async), the fsync floor, and the sync/fsync and async/sync ratios side by side. Disk and
-page cache dominate on a VM; the ratios are the numbers to read.
+Printed per model size and world size, from one run (rank 0's medians): MB/s per rank for
+save and load (this rank's shard bytes / wall time), the seconds the caller was blocked per
+save (the wall time of ``CheckpointWriter.save``, sync and async), the fsync floor (written
+right after each sync save), the median of each save's ratio to the floor written after it
+(sync/fsync), and async/sync. A small model shows the fixed cost of a save
+(planning, metadata, the ranks' collectives); ``--more-sizes`` adds larger ones in the same
+run, where bandwidth dominates as it does at 100+ GB. Disk and page cache dominate on a VM;
+the ratios are the numbers to read.
 
     python benchmarks/checkpoint.py [--saves 3] [--dim 512] [--layers 8] [--vocab 32000]
+        [--worlds 2 4] [--more-sizes DIMxLAYERSxVOCAB ...]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ MB = 1e6
 
 
 def config(args: argparse.Namespace, world: int):
+    """The dense model of ``args``'s size, tensor parallel over ``world`` CPU ranks."""
     overrides = {
         "model.preset": "tiny",
         "model.arch": "full",
@@ -77,19 +83,26 @@ def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
     for mode in ("sync", "async"):
         ckpt_root = Path(root) / mode
         writer = CheckpointWriter(ckpt_root, rank, group, keep=1, async_save=mode == "async")
-        blocked, total = [], []
+        blocked, total, floor = [], [], []
         for i in range(saves):
             dist.barrier()
             started = time.perf_counter()
             rng = {"cpu": torch.get_rng_state()}
-            blocked.append(writer.save(i + 1, state, {"step": i + 1}, rng, {}, {}).blocked_s)
+            writer.save(i + 1, state, {"step": i + 1}, rng, {}, {})
+            blocked.append(time.perf_counter() - started)  # all the caller waited for
             writer.wait()  # time to a published checkpoint (async: training would go on)
             total.append(time.perf_counter() - started)
+            if mode == "sync":  # the floor right after each save: the same load on the machine
+                floor.append(fsync_floor(writer.last_path, rank, Path(root), 1))
         writer.close()
         report[f"{mode}_block_s"] = statistics.median(blocked)
         report[f"{mode}_save_mb_s"] = local_bytes / MB / statistics.median(total)
+        if floor:
+            report["fsync_s"] = statistics.median(floor)
+            report["sync_fsync"] = statistics.median(
+                [b / f for b, f in zip(blocked, floor, strict=True)]
+            )
     ckpt: Checkpoint = read_checkpoint(Path(root) / "sync" / f"step_{saves}")
-    report["fsync_s"] = fsync_floor(ckpt.path, rank, Path(root), saves)
     loads = []
     for _ in range(saves):
         dist.barrier()
@@ -129,27 +142,47 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--more-sizes",
+        nargs="*",
+        default=[],
+        metavar="DIMxLAYERSxVOCAB",
+        help="further model sizes measured after --dim/--layers/--vocab, e.g. 512x8x32000",
+    )
     args = parser.parse_args()
+    sizes = [(args.dim, args.layers, args.vocab)]
+    for text in args.more_sizes:
+        try:
+            dim, layers, vocab = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            parser.error(f"--more-sizes: {text!r} is not DIMxLAYERSxVOCAB, e.g. 512x8x32000")
+        sizes.append((dim, layers, vocab))
     print(
-        f"{'ranks':>5} {'shard MB':>9} {'sync save MB/s':>15} {'async save MB/s':>16} "
+        f"{'size':>14} {'ranks':>5} {'shard MB':>9} {'sync save MB/s':>15} {'async save MB/s':>16} "
         f"{'load MB/s':>10} {'sync block s':>13} {'async block s':>14} {'fsync s':>8} "
         f"{'sync/fsync':>10} {'async/sync':>10}"
     )
-    for world in args.worlds:
-        root = tempfile.mkdtemp(prefix="boostlr-ckpt-bench-")
-        try:
-            cfg = config(args, world)
-            results = launch(world, rank_entry, to_dict(cfg), root, args.saves)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        r = results[0]
-        print(
-            f"{world:>5} {r['shard_mb']:>9.1f} {r['sync_save_mb_s']:>15.1f} "
-            f"{r['async_save_mb_s']:>16.1f} {r['load_mb_s']:>10.1f} {r['sync_block_s']:>13.3f} "
-            f"{r['async_block_s']:>14.3f} {r['fsync_s']:>8.3f} "
-            f"{r['sync_block_s'] / r['fsync_s']:>10.2f} "
-            f"{r['async_block_s'] / r['sync_block_s']:>10.2f}"
-        )
+    for dim, layers, vocab in sizes:
+        shape = argparse.Namespace(dim=dim, layers=layers, vocab=vocab)
+        for world in args.worlds:
+            root = tempfile.mkdtemp(prefix="boostlr-ckpt-bench-")
+            try:
+                cfg = config(shape, world)
+                results = launch(world, rank_entry, to_dict(cfg), root, args.saves)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            report(f"{dim}x{layers}x{vocab}", world, results[0])
+
+
+def report(size: str, world: int, r: dict) -> None:
+    """One row of the table: rank 0's medians."""
+    print(
+        f"{size:>14} {world:>5} {r['shard_mb']:>9.1f} {r['sync_save_mb_s']:>15.1f} "
+        f"{r['async_save_mb_s']:>16.1f} {r['load_mb_s']:>10.1f} {r['sync_block_s']:>13.3f} "
+        f"{r['async_block_s']:>14.3f} {r['fsync_s']:>8.3f} "
+        f"{r['sync_fsync']:>10.2f} "
+        f"{r['async_block_s'] / r['sync_block_s']:>10.2f}"
+    )
 
 
 if __name__ == "__main__":

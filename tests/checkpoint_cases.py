@@ -99,3 +99,42 @@ def group_timeouts(rank: int, world: int) -> dict:
         name: group._get_backend(cpu).options._timeout / timedelta(seconds=1)
         for name, group in groups.items()
     }
+
+
+def slow_rank_save_and_load(
+    rank: int, world: int, root: str, floor_s: float, mib: int, pace: float, sized: bool, slow: str
+) -> dict:
+    """Rank 1 writes (``slow="save"``) or reads (``"load"``) its shard at ``pace`` s/MiB
+    while rank 0 waits on the checkpoint group: sized to the shards as the trainer sizes it,
+    or left at ``floor_s``. Returns the group's timeout and each step's outcome."""
+    from boostlr.faults import SLOW_IO_ENV
+    from boostlr.parallel.mesh import build_mesh
+    from boostlr.rundir.checkpoint import load_sharded_state, read_checkpoint
+    from boostlr.rundir.timeouts import checkpoint_collectives, checkpoint_timeout_s
+
+    cfg = build_config(overrides=[("parallel.dp", "2"), ("parallel.timeout_s", str(floor_s))])
+    comms = build_mesh(cfg.parallel, torch.device("cpu"))
+    state = {"model": {f"rank{rank}": torch.full((mib << 18,), float(rank))}}  # mib MiB
+    if sized:
+        comms = comms.with_ckpt_timeout(checkpoint_timeout_s(state, comms.ckpt_group, floor_s))
+    report: dict = {"timeout_s": comms.ckpt_timeout_s}
+    writer = CheckpointWriter(Path(root), rank, comms.ckpt_group, 1, timeout_s=comms.ckpt_timeout_s)
+    try:
+        for step in ("save", "load"):
+            if rank == 1 and step == slow:
+                os.environ[SLOW_IO_ENV] = str(pace)
+            if step == "save":
+                writer.save(1, state, {"step": 1}, {"cpu": torch.get_rng_state()}, {}, {})
+                writer.close()
+            else:
+                loaded = {"model": {f"rank{rank}": torch.zeros(mib << 18)}}
+                with checkpoint_collectives(comms.ckpt_timeout_s):
+                    load_sharded_state(
+                        read_checkpoint(Path(root) / "step_1"), loaded, comms.ckpt_group
+                    )
+                assert torch.equal(loaded["model"][f"rank{rank}"], state["model"][f"rank{rank}"])
+            os.environ.pop(SLOW_IO_ENV, None)
+            report[step] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    return report

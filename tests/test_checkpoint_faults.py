@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from checkpoint_cases import group_timeouts, save_memory
+from checkpoint_cases import group_timeouts, save_memory, slow_rank_save_and_load
 from distributed import run_distributed
 from test_train import read_rows, tiny_run_config, train_rows
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -106,3 +106,32 @@ def test_save_memory_stays_within_the_shards_plus_one_tensor(tmp_path: Path) -> 
 def test_every_process_group_gets_the_configured_timeout() -> None:
     for timeouts in run_distributed(group_timeouts, 4):
         assert timeouts == {"tp": 42.0, "dp": 42.0, "pp": 42.0, "ckpt": 42.0}
+
+
+# Rank 1 moves its 96 MiB just above the slowest rate the timeout rule assumes (20 MiB/s):
+# about 4.4 s behind rank 0, past the 2 s floor, within 2 s + 96 MiB at 20 MiB/s (6.8 s).
+FLOOR_S, SHARD_MIB, PACE_S_PER_MIB = 2.0, 96, 0.0458
+
+
+def test_saves_and_loads_wait_as_long_as_the_shards_take_to_move(tmp_path: Path) -> None:
+    args = (FLOOR_S, SHARD_MIB, PACE_S_PER_MIB)
+    for slow in ("save", "load"):
+        reports = run_distributed(
+            slow_rank_save_and_load, 2, str(tmp_path / slow), *args, True, slow
+        )
+        for report in reports:
+            assert report == {"timeout_s": FLOOR_S + SHARD_MIB / 20, "save": "ok", "load": "ok"}
+
+
+@pytest.mark.parametrize("slow", ["save", "load"])
+def test_a_checkpoint_group_left_at_the_floor_times_out_in_one_line(
+    tmp_path: Path, slow: str
+) -> None:
+    # 6 s behind, far past the floor whatever the disk adds: rank 0 is the one that times out.
+    args = (FLOOR_S, 8, 0.75)
+    rank0 = run_distributed(slow_rank_save_and_load, 2, str(tmp_path), *args, False, slow)[0]
+    assert rank0["timeout_s"] == FLOOR_S and ("save" in rank0) == (slow == "load")
+    assert rank0["error"] == (
+        f"CollectiveTimeout: the checkpoint (gloo) group timed out after {FLOOR_S:g} s: another "
+        "rank did not reach the same collective in time (it is slower, stuck or gone)"
+    )

@@ -79,6 +79,7 @@ def test_the_private_names_the_metadata_allowlist_and_staging_use_still_exist() 
 
     assert hasattr(fs, "_StorageInfo")
     assert hasattr(dcp_io.SafeFileSystemReader("."), "_get_metadata_path")
+    assert hasattr(dcp_io.SafeFileSystemReader("."), "storage_data")  # BOOSTLR_SLOW_IO reads
     assert isinstance(dcp_io.HashingFileSystemWriter(".").fs, dcp_io.HashingFileSystem)
     assert not pin_staging(torch.device("cpu"))
     assert not pin_staging(None)

@@ -7,7 +7,8 @@ rank — only in a run's first attempt, so an automatic restart gets past it.
 ``BOOSTLR_SLOW_HASH="SECONDS_PER_MIB[@RANK]"`` makes checkpoint verification hash at that
 pace (on that rank only, or on every rank): a tiny checkpoint then takes as long to verify
 as a huge one on a slow file system, so collective timeouts around verification can be
-tested without writing hundreds of gigabytes. Unset (always, outside tests) a fault point
+tested without writing hundreds of gigabytes. ``BOOSTLR_SLOW_IO`` does the same to a save's
+writes and a load's reads of checkpoint shards. Unset (always, outside tests) a fault point
 costs one dictionary lookup.
 """
 
@@ -19,6 +20,7 @@ import time
 
 ENV = "BOOSTLR_CRASH_AT"
 SLOW_HASH_ENV = "BOOSTLR_SLOW_HASH"
+SLOW_IO_ENV = "BOOSTLR_SLOW_IO"
 
 
 def crash_point(name: str, rank: int, step: int) -> None:
@@ -34,7 +36,16 @@ def crash_point(name: str, rank: int, step: int) -> None:
 
 def throttle_hash(nbytes: int) -> None:
     """Sleep as ``BOOSTLR_SLOW_HASH`` asks after hashing ``nbytes`` (the rank is ``RANK``)."""
-    spec = os.environ.get(SLOW_HASH_ENV)
+    _throttle(SLOW_HASH_ENV, nbytes)
+
+
+def throttle_io(nbytes: int) -> None:
+    """Sleep as ``BOOSTLR_SLOW_IO`` asks after writing or reading ``nbytes`` of shards."""
+    _throttle(SLOW_IO_ENV, nbytes)
+
+
+def _throttle(env: str, nbytes: int) -> None:
+    spec = os.environ.get(env)
     if not spec:
         return
     pace, _, at_rank = spec.partition("@")

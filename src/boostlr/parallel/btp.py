@@ -222,7 +222,11 @@ def _latents(
     """σ / LaX crossing on the replicated latents (local: every rank holds all of r)."""
     hs, z = [], {}
     for lin, a, name in zip(linears, pre, names, strict=True):
-        h, z[name] = lin.latent(a, None if z_prev is None else z_prev.get(name))
+        h, latent = lin.latent(a, None if z_prev is None else z_prev.get(name))
+        # A LaX latent leaves the block, and FSDP hooks a block's outputs: a view output
+        # would lose that hook to any in-place op on it (FSDP warns). Without a gate (block
+        # 0) the latent is a slice of the grouped down-projection, so it is copied out.
+        z[name] = latent if latent is None or latent._base is None else latent.clone()
         hs.append(h)
     return hs, z
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -26,8 +26,21 @@ class MeshComms:
     pp: GroupComm
     ledger: CommLedger
     # All ranks on gloo, for checkpoint saves and loads only: an async save's collectives
-    # then never interleave with training's (and work beside NCCL on GPUs).
+    # then never interleave with training's (and work beside NCCL on GPUs). Its timeout is
+    # ``parallel.timeout_s`` until the trainer sizes it to the checkpoint
+    # (:meth:`with_ckpt_timeout`).
     ckpt_group: dist.ProcessGroup | None = None
+    ckpt_timeout_s: float | None = None
+
+    def with_ckpt_timeout(self, timeout_s: float) -> MeshComms:
+        """These comms with a new checkpoint group that waits ``timeout_s`` (collective over
+        every rank; the old group is destroyed). A group's timeout is fixed when it is
+        made, so the group is made again rather than changed."""
+        if self.ckpt_group is None:
+            return self
+        group = dist.new_group(backend=HOST_BACKEND, timeout=timedelta(seconds=timeout_s))
+        dist.destroy_process_group(self.ckpt_group)
+        return replace(self, ckpt_group=group, ckpt_timeout_s=timeout_s)
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -60,4 +73,4 @@ def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
     ledger = CommLedger()
     comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
     ckpt_group = dist.new_group(backend=HOST_BACKEND, timeout=timeout)
-    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group)
+    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group, p.timeout_s)

@@ -4,7 +4,8 @@ Three things boostlr needs that DCP does not offer as API:
 
 * **Hashing while writing.** :class:`HashingFileSystemWriter` is DCP's ``FileSystemWriter``
   with its ``fs`` swapped for a :class:`HashingFileSystem`, whose write streams feed
-  sha256 as the bytes go out; a save then never reads its shards back to hash them. This
+  sha256 as the bytes go out (:mod:`.streams`, which also overlaps the hash and the
+  disk's write-back with the writing); a save then never reads its shards back. This
   relies on DCP writing every file (shards and ``.metadata``) through ``self.fs`` in
   sequence, and renaming ``.metadata.tmp`` through ``fs.rename``.
 * **Staging before the save.** The trainer copies the state to host memory itself
@@ -18,8 +19,8 @@ Three things boostlr needs that DCP does not offer as API:
 
 from __future__ import annotations
 
-import hashlib
 import io
+import os
 import pickle
 import threading
 import warnings
@@ -32,7 +33,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from boostlr.faults import SLOW_IO_ENV, throttle_io
+from boostlr.rundir.streams import HashingStream
 
 
 @contextmanager
@@ -44,53 +49,6 @@ def quiet_dcp() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- writing
-
-
-class HashingStream(io.IOBase):
-    """A write-only, forward-only file stream that hashes every byte it writes.
-
-    ``seek`` is refused: a writer that went back would make the running hash wrong, so a
-    torch that starts seeking fails the save (and the test) instead of writing bad hashes.
-    """
-
-    def __init__(self, raw: io.IOBase):
-        self._raw = raw
-        self._sha = hashlib.sha256()
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        written = self._raw.write(view)
-        written = len(view) if written is None else written
-        self._sha.update(view[:written])
-        self.size += written
-        return written
-
-    def tell(self) -> int:
-        return self.size
-
-    def seek(self, *args: Any) -> int:
-        raise io.UnsupportedOperation("a hashing checkpoint stream only writes forward")
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def close(self) -> None:  # the file is closed by the stream's context manager
-        if not self.closed:
-            self._raw.flush()
-        super().close()
-
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
 
 
 class HashingFileSystem(FileSystem):
@@ -109,8 +67,11 @@ class HashingFileSystem(FileSystem):
             return
         with super().create_stream(path, mode) as raw:
             stream = HashingStream(raw)
-            yield stream
-            stream.flush()
+            try:
+                yield stream
+                stream.flush()
+            finally:
+                stream.finish()  # before the file closes: its background sync uses the fd
         with self._lock:
             self.digests[Path(path).name] = {"size": stream.size, "sha256": stream.hexdigest()}
 
@@ -226,7 +187,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata unpickled through an allowlist."""
+    """DCP's file reader with the metadata unpickled through an allowlist (and the reads
+    slowed by ``BOOSTLR_SLOW_IO`` in tests, by the bytes ``storage_data`` lists)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        done = super().read_data(plan, planner)
+        if os.environ.get(SLOW_IO_ENV):
+            throttle_io(sum(self.storage_data[i.storage_index].length for i in plan.items))
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -4,7 +4,8 @@ Hashing a checkpoint of hundreds of gigabytes takes minutes. If one rank did it 
 others waited in a collective, the others' collective timeout (``parallel.timeout_s``; the
 NCCL watchdog on GPUs) would end the job first. So the files are split into equal-byte
 shares, each rank hashes its own share, and the ranks compare verdicts on a gloo group
-made for this, whose timeout grows with the largest share. Every rank reads the same
+made for this, whose timeout grows with the largest share (:mod:`.timeouts`, the rule
+saves and loads follow too). Every rank reads the same
 listing (the run directory is on a file system every rank sees); a rank that sees another
 listing stops the resume with one line.
 """
@@ -21,10 +22,8 @@ import torch.distributed as dist
 
 from boostlr.errors import CheckpointError
 from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, sha256_of
+from boostlr.rundir.timeouts import collective_timeout, io_timeout_s
 
-# The slowest hashing rate a rank is assumed to reach (a busy network file system shared by
-# a node's ranks): the verification group's timeout allows a share to be hashed this slowly.
-MIN_HASH_BYTES_PER_S = 20 * 2**20
 VERIFY_GROUP = "checkpoint verification (gloo)"
 
 
@@ -54,13 +53,13 @@ def first_bad_file(ckpt: Checkpoint, names: list[str]) -> str | None:
 
 def verify_timeout(candidates: list[Checkpoint], world: int, floor_s: float) -> float:
     """Seconds the verification group waits: ``floor_s`` plus the largest share's hashing
-    time at :data:`MIN_HASH_BYTES_PER_S`."""
+    time at the slowest assumed rate (:func:`~.timeouts.io_timeout_s`)."""
     largest = 0
     for ckpt in candidates:
         files = ckpt.meta["files"]
         for share in shares(files, world):
             largest = max(largest, sum(int(files[n]["size"]) for n in share))
-    return floor_s + largest / MIN_HASH_BYTES_PER_S
+    return io_timeout_s(floor_s, largest)
 
 
 class VerifyGroup:
@@ -130,25 +129,3 @@ def newest_verified_checkpoint(ckpt_root: Path) -> tuple[Checkpoint | None, list
     candidates = list_checkpoints(ckpt_root)
     with verification_group(candidates, 0, 1, 0.0) as group:
         return newest_verified(candidates, group)
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective on a named group ran past its timeout (reported as one line)."""
-
-
-_TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
-
-
-@contextmanager
-def collective_timeout(group: str, timeout_s: float) -> Iterator[None]:
-    """Turn a timed-out collective on ``group`` into a :class:`CollectiveTimeout` whose
-    message names the group and its timeout."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if isinstance(exc, CollectiveTimeout) or not any(s in str(exc) for s in _TIMED_OUT):
-            raise
-        raise CollectiveTimeout(
-            f"the {group} group timed out after {timeout_s:g} s: another rank did not reach "
-            "the same collective in time (it is slower, stuck or gone)"
-        ) from None

@@ -33,6 +33,7 @@ from boostlr.parallel.device import pin_staging
 from boostlr.rundir import dcp_io
 from boostlr.rundir.checkpoint import FORMAT_VERSION, list_checkpoints, sha256_of
 from boostlr.rundir.layout import META_FILE, TEMP_PREFIX, TRAINER_FILE, rng_file, step_dir_name
+from boostlr.rundir.timeouts import checkpoint_collectives, shard_bytes
 
 _OLD_PREFIX = ".old-"  # a checkpoint replaced by a re-save of its step, deleted in background
 _COPY_BLOCK = 1 << 20
@@ -60,8 +61,9 @@ class SaveStats:
 class CheckpointWriter:
     """Writes this rank's part of each checkpoint; at most one save in flight.
 
-    Collective over ``group`` (all ranks, gloo; ``None`` in a single process). With
-    ``async_save`` the shards are copied to host memory (pinned on CUDA) while the caller
+    Collective over ``group`` (all ranks, gloo; ``None`` in a single process), whose timeout
+    is ``timeout_s`` (:mod:`.timeouts`; a timed-out save is then one line naming the group).
+    With ``async_save`` the shards are copied to host memory (pinned on CUDA) while the caller
     waits, then written and published by a background thread, so training continues.
     """
 
@@ -73,8 +75,10 @@ class CheckpointWriter:
         keep: int,
         async_save: bool = False,
         device: torch.device | None = None,
+        timeout_s: float | None = None,
     ):
         self.root, self.rank, self.group, self.keep = root, rank, group, keep
+        self.timeout_s = timeout_s
         self.async_save = async_save
         self._executor = ThreadPoolExecutor(max_workers=1) if async_save else None
         self._pending: Future | None = None
@@ -94,6 +98,18 @@ class CheckpointWriter:
         extra_files: dict[str, Path],
     ) -> SaveStats:
         """Save ``step``; returns what the save cost (the caller's blocked seconds first)."""
+        with checkpoint_collectives(self.timeout_s):
+            return self._save(step, state, trainer, rng, meta, extra_files)
+
+    def _save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        trainer: dict[str, Any],
+        rng: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        extra_files: dict[str, Path],
+    ) -> SaveStats:
         started = time.perf_counter()
         self.wait()  # a previous save must be published before the next one starts
         final, tmp = self.root / step_dir_name(step), self.root / f"{TEMP_PREFIX}{step}"
@@ -134,7 +150,8 @@ class CheckpointWriter:
         """Finish the save in flight, if any (re-raising its error)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            with checkpoint_collectives(self.timeout_s):
+                pending.result()
         return self.last_path
 
     def close(self) -> None:
@@ -215,16 +232,6 @@ class CheckpointWriter:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
-
-
-def shard_bytes(state: Any) -> int:
-    """Bytes of the tensors this rank holds in ``state`` (a DTensor counts its local shard)."""
-    if isinstance(state, dict):
-        return sum(shard_bytes(v) for v in state.values())
-    if torch.is_tensor(state):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
-    return 0
 
 
 def _json_bytes(data: dict[str, Any]) -> bytes:

@@ -43,8 +43,9 @@ from boostlr.parallel.launch import (
 from boostlr.rundir import layout
 from boostlr.rundir.checkpoint import read_checkpoint
 from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
+from boostlr.rundir.payload import sharded
 from boostlr.rundir.resume import prepare_run_dir
-from boostlr.rundir.verify import CollectiveTimeout
+from boostlr.rundir.timeouts import CollectiveTimeout, checkpoint_timeout_s
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import run_steps
@@ -240,6 +241,12 @@ def _train_rank(
         optimizer = build_optimizer(model.parameters(), t)
         init_optimizer_state(optimizer)  # every parameter has state: checkpoints hold all keys
         phases.mark("optimizer state")
+        # Saves and loads wait on the checkpoint group as long as the largest rank's shards
+        # take to move at the slowest assumed rate, like verification (rundir/timeouts.py).
+        own = sharded(model.named_parameters(), optimizer)
+        model.comms = model.comms.with_ckpt_timeout(
+            checkpoint_timeout_s(own, model.comms.ckpt_group, cfg.parallel.timeout_s)
+        )
         release_freed_pages()  # the build's transients; the allocator keeps the step's pages
         writer = CheckpointWriter(
             checkpoints_dir(run_dir),
@@ -248,6 +255,7 @@ def _train_rank(
             t.keep_checkpoints,
             t.async_ckpt,
             device,
+            model.comms.ckpt_timeout_s,
         )
         state = RunState(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases

@@ -19,6 +19,7 @@ from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, load_trainer_state
 from boostlr.rundir.layout import TOKENIZER_FILE
 from boostlr.rundir.payload import checkpoint_payload, sharded
+from boostlr.rundir.timeouts import checkpoint_collectives
 from boostlr.rundir.writer import CheckpointWriter, SaveStats
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.optim import Anchor, lr_at, reanchor
@@ -52,7 +53,9 @@ class RunState:
 
 def restore(state: RunState, ckpt: Checkpoint) -> None:
     """Weights, AdamW moments, data position, RNG and schedule — at any layout."""
-    load_sharded_state(ckpt, sharded_state(state), state.model.comms.ckpt_group)
+    comms = state.model.comms
+    with checkpoint_collectives(comms.ckpt_timeout_s):
+        load_sharded_state(ckpt, sharded_state(state), comms.ckpt_group)
     trainer, rng = load_trainer_state(ckpt, state.rank)
     state.loader.load_state_dict(trainer["loader"])
     set_rng_states(rng)
