@@ -56,7 +56,7 @@ from boostlr.analysis.memory import (
     stage_modules,
 )
 from boostlr.analysis.prediction import Prediction, planned_layout
-from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig
+from boostlr.config import PRESETS, ModelConfig, ParallelConfig, RunConfig, resolve_vocab_dp
 
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
 # foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
@@ -69,12 +69,16 @@ CLIP_PASSES = (4, 8)  # _foreach_norm (read g), then clip_grads_with_norm_'s _fo
 def planning_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the vocabulary set (0 = take it from the preset, as the data would).
 
-    A copy only when the vocabulary is missing (the model is read, never written, here, and a
-    layout search calls this thousands of times)."""
-    if cfg.model.vocab_size >= 1:
+    ``parallel.vocab_dp auto`` is resolved with that vocabulary
+    (:func:`~boostlr.config.resolve_vocab_dp`). A copy only when either is missing (the
+    config is read, never written, here, and a layout search calls this thousands of
+    times)."""
+    if cfg.model.vocab_size >= 1 and isinstance(cfg.parallel.vocab_dp, bool):
         return cfg
     out = copy.deepcopy(cfg)
-    out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    if out.model.vocab_size < 1:
+        out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    resolve_vocab_dp(out)
     return out
 
 
@@ -245,7 +249,7 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             head = head_gemms(m, strategy, p.tp, tokens)
             fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
             bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
-            fused = cfg.train.fused_loss and p.pp == 1  # a pipeline's schedule owns its loss
+            fused = cfg.train.fused_loss  # a pipeline's last stage too
             head_ew = head_elementwise(m, strategy, p.tp, tokens, a, s, fused)
             kernels = head_kernels(m, strategy, p.tp, tokens, fused)
             ew_f, ew_b = elementwise_time(head_ew, kernels, hw)
@@ -322,9 +326,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     split_dp = vocab_dp(m, p)  # a vocabulary split over dp sees all dp tokens
     if any(last for _, _, last in stages):
-        # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
-        # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
-        fused = cfg.train.fused_loss and p.pp == 1
+        # The fused head keeps one [tokens, vocab] buffer in the compute dtype (a pipeline's
+        # last stage too: its forward ends in the loss); the unfused loss about three, two of
+        # them fp32.
+        fused = cfg.train.fused_loss
         # Split over dp too, a rank has V/(dp·tp) rows for dp·T tokens: the same count.
         rows = -(-m.vocab_size // (p.tp if strategy else 1))
         acts += tokens * rows * (a if fused else a + 2 * FP32)

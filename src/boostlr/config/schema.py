@@ -24,6 +24,7 @@ NormMode = Literal["online", "sync"]
 ActCkpt = Literal["none", "lowrank", "block"]
 DPMode = Literal["fsdp", "ddp"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved"]
+Auto = Literal["auto"]
 
 ARCHS: tuple[str, ...] = get_args(Arch)
 LOWRANK_ARCHS = ("cola", "svd", "lax")
@@ -212,7 +213,7 @@ class TrainConfig:
     """The LM head and its cross-entropy in one step: each chunk of logits becomes its
     gradient while in cache, so one ``[tokens, vocab]`` buffer is kept instead of about four
     (logits, their fp32 copy, log-softmax, gradient); same loss and gradients to fp32
-    rounding. Pipeline runs keep the unfused loss: their schedule owns it."""
+    rounding. Under a pipeline the last stage's forward ends in it too."""
     global_batch: int = 0
     """Sequences per optimizer step over all data-parallel ranks; 0 = ``batch_size x
     grad_accum x dp``. When set it derives ``grad_accum = global_batch / (batch_size x dp)``,
@@ -248,12 +249,17 @@ class ParallelConfig:
     dp_mode: DPMode = "fsdp"
     """``fsdp``: parameters resharded after forward (ZeRO-3-like); ``ddp``: kept gathered
     from forward to backward, only gradients reduce-scattered (ZeRO-2-like)."""
-    vocab_dp: bool = True
+    vocab_dp: bool | Auto = "auto"
     """Under data parallelism, split an untied embedding's and LM head's rows over dp: they
-    exchange activations (token ids, partial embeddings, the head's input) and are never
-    gathered. Off: FSDP units of their own, gathered whole (``V x d / tp``) around their
-    forward and backward; less traffic once dp x tokens per micro-batch passes about
-    1.5 x V / tp (large micro-batches on many GPUs), at the cost of those gathered tables."""
+    exchange activations (token ids, partial embeddings, the head's input: ``[dp x T, d]``
+    gathered per micro-batch and kept for the backward) and are never gathered. ``false``:
+    FSDP units of their own, gathered whole (``V x d / tp``) around their forward and
+    backward. ``auto`` splits unless ``dp x T > 1.5 x V / tp``, ``T`` being the tokens of
+    one micro-batch on a rank (``train.batch_size x data.seq_len``, divided by
+    ``parallel.microbatches`` under a pipeline) and ``V`` the vocabulary: past that the
+    split's activations (about ``2 x dp x T x d`` per micro-batch) outweigh gathering and
+    reducing the tables (about ``3 x V / tp x d``). Resolved to ``true``/``false`` once the
+    vocabulary is known; the run's saved config and ``boostlr plan`` show the result."""
     pp_schedule: PPSchedule = "1f1b"
     """Pipeline schedule; ``interleaved`` (interleaved 1F1B) runs ``pp_virtual`` stages per
     rank. ``1f1b`` and ``interleaved`` need ``microbatches >= pp``, ``interleaved`` a
