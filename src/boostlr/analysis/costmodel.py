@@ -121,7 +121,7 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
             pp_bytes += steps * pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a)
     params = rank_params(m, strategy, p, pp_rank, tp_rank)
     gathered = act_size(cfg)  # bf16: FSDP's mixed precision gathers bf16 parameters
-    fsdp = p.dp_mode == "fsdp"
+    fsdp = p.data_parallel_mode == "fsdp"
     if p.pp > 1:
         dp = fsdp_pipeline_bytes(list(params.modules), p.dp, steps, fsdp, mb, gathered)
     else:
@@ -307,7 +307,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     params = rank_params(m, strategy, p, pp_rank)
     out = state_bytes(cfg, pp_rank)
     if p.dp > 1:
-        if p.dp_mode == "fsdp":
+        if p.data_parallel_mode == "fsdp":
             # Two blocks (one prefetched) or the head/embedding unit, and the root (gathered
             # to the stage's backward end), with full grads; FSDP2's staging buffer on top.
             units = max(2 * params.largest_block, params.largest_module)
@@ -394,7 +394,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             vocab = vocab_step_bytes(cfg, r)
             nbytes = comm_metrics(cfg, r)["comm_dp_bytes"] - vocab
             modules = max(1, sum(1 for n in params[r].modules if n))
-            if p.dp_mode == "fsdp":  # per (pipeline) micro-batch: 2 gathers, 1 reduction
+            if p.data_parallel_mode == "fsdp":  # per (pipeline) micro-batch: 2 gathers, 1 reduction
                 calls = steps * (mb if p.pp > 1 else 1) * modules * 3
             else:  # gathered once per step, reduced once
                 calls = steps * modules * 2

@@ -22,7 +22,7 @@ Device = Literal["auto", "cpu", "cuda"]
 TPStrategy = Literal["auto", "megatron", "vanilla", "btp"]
 NormMode = Literal["online", "sync"]
 ActCkpt = Literal["none", "lowrank", "block"]
-DPMode = Literal["fsdp", "ddp"]
+DPMode = Literal["auto", "fsdp", "ddp"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved"]
 Auto = Literal["auto"]
 
@@ -246,9 +246,16 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
     (times ``pp_virtual`` under ``interleaved``)."""
-    dp_mode: DPMode = "fsdp"
-    """``fsdp``: parameters resharded after forward (ZeRO-3-like); ``ddp``: kept gathered
-    from forward to backward, only gradients reduce-scattered (ZeRO-2-like)."""
+    dp_mode: DPMode = "auto"
+    """``fsdp``: parameters resharded after forward (ZeRO-3-like); under a pipeline also
+    after every pipeline micro-batch's backward, whose gradients are reduce-scattered then:
+    a gather in each micro-batch's forward and backward and a reduction, per FSDP unit.
+    ``ddp``: kept gathered from forward to backward, only gradients reduce-scattered
+    (ZeRO-2-like); under a pipeline kept gathered, with the stage's unreduced gradients,
+    from the first micro-batch to the step's one reduction (torchtitan's choice under PP).
+    ``auto``: ``ddp`` under a pipeline (``pp > 1``: a fifth to a sixth of the dp bytes for
+    a stage's gathered bf16 weights and full gradients, benchmarks/RESULTS.md), else
+    ``fsdp``. The run's saved config shows the mode it resolved to."""
     vocab_dp: bool | Auto = "auto"
     """Under data parallelism, split an untied embedding's and LM head's rows over dp: they
     exchange activations (token ids, partial embeddings, the head's input: ``[dp x T, d]``
@@ -302,6 +309,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+    @property
+    def data_parallel_mode(self) -> str:
+        """``dp_mode`` with ``auto`` decided: ``ddp`` under a pipeline, else ``fsdp``."""
+        if self.dp_mode != "auto":
+            return self.dp_mode
+        return "ddp" if self.pp > 1 else "fsdp"
 
     @property
     def virtual_stages(self) -> int:

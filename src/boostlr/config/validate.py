@@ -66,6 +66,8 @@ def resolve_layout(cfg: RunConfig) -> None:
                 "--train.batch_size / --parallel.dp"
             )
         t.grad_accum = t.global_batch // per_step
+    if p.dp_mode == "auto":  # decided by the layout alone (ParallelConfig.data_parallel_mode)
+        p.dp_mode = p.data_parallel_mode
     resolve_vocab_dp(cfg)
 
 

@@ -67,7 +67,7 @@ def build_stages(
     mark_phase("materialise")
     if comms.dp.size > 1:
         for part in stages:
-            apply_data_parallel(part, comms, p.dp_mode, cfg.train.dtype)
+            apply_data_parallel(part, comms, p.data_parallel_mode, cfg.train.dtype)
         mark_phase("FSDP wrap")
     for part in stages:
         part.build_s = time.perf_counter() - started

@@ -177,7 +177,7 @@ class Pipeline:
         pipeline_stages = []
         # ddp mode keeps parameters gathered from forward to backward by design, so its
         # stages keep torch's single reduction after the last micro-batch.
-        stage_class = ShardedBackwardStage if p.dp_mode == "fsdp" else PipelineStage
+        stage_class = ShardedBackwardStage if p.data_parallel_mode == "fsdp" else PipelineStage
         for part, sid in zip(stages, self.ids, strict=True):
             record_sends(part, pp)
             pipeline_stages.append(
