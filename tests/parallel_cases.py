@@ -10,7 +10,7 @@ import torch.distributed as dist
 from fp32_noise import float64_grads, relative_error
 from torch.distributed.tensor import DTensor
 
-from boostlr.config import RunConfig, build_config
+from boostlr.config import RunConfig, build_config, resolve_vocab_dp
 from boostlr.models.llama import build_model
 from boostlr.parallel.build import VOCAB_PARAMS
 from boostlr.parallel.engine import ParallelModel
@@ -38,6 +38,7 @@ def layout_config(arch: str, strategy: str, pp: int, dp: int, tp: int, **extra) 
     }
     cfg = build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
     cfg.model.vocab_size = VOCAB
+    resolve_vocab_dp(cfg)  # as the trainer does once the tokenizer gives the vocabulary
     return cfg
 
 

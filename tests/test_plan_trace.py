@@ -23,7 +23,9 @@ from boostlr.trace.rank import RankTrace, coordinates
 from boostlr.trace.run import trace_here, traced_ranks
 
 LAYOUTS = {  # (pp, dp, tp, extra overrides)
-    "pp2xdp2xtp2": (2, 2, 2, {}),
+    "pp2xdp2xtp2": (2, 2, 2, {}),  # dp_mode auto: ddp under the pipeline
+    # FSDP resharded after every pipeline micro-batch (the other dp_mode under a pipeline)
+    "pp2xdp2xtp2-fsdp": (2, 2, 2, {"parallel.dp_mode": "fsdp"}),
     "tp2": (1, 1, 2, {}),
     "dp2": (1, 2, 1, {}),
     "pp2": (2, 1, 1, {}),

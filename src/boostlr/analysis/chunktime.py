@@ -158,7 +158,7 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             head = head_gemms(m, strategy, p.tp, tokens)
             fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
             bwd += sum(gemm_time(b, hw, dtype, a) for g in head for b in backward(g))
-            fused = cfg.train.fused_loss and p.pp == 1  # a pipeline's schedule owns its loss
+            fused = cfg.train.fused_loss  # a pipeline's last stage too
             head_ew = head_elementwise(m, strategy, p.tp, tokens, a, s, fused)
             kernels = head_kernels(m, strategy, p.tp, tokens, fused)
             ew_f, ew_b = elementwise_time(head_ew, kernels, hw)

@@ -159,8 +159,11 @@ def vocab_dp(cfg: ModelConfig, p: ParallelConfig) -> int:
     """dp ranks the embedding's and head's rows are split over (1: FSDP's, or no dp).
 
     As ``boostlr.parallel.build.splits_vocab_over_dp``: untied tables under data parallelism,
-    unless ``parallel.vocab_dp`` is off.
+    unless ``parallel.vocab_dp`` is off. ``p.vocab_dp`` must be resolved (``auto`` depends
+    on the batch: :func:`boostlr.config.resolve_vocab_dp`).
     """
+    if not isinstance(p.vocab_dp, bool):
+        raise ValueError("parallel.vocab_dp is unresolved ('auto'): call resolve_vocab_dp first")
     return p.dp if p.dp > 1 and p.vocab_dp and not cfg.tie_embeddings else 1
 
 

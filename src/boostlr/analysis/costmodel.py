@@ -58,7 +58,7 @@ from boostlr.analysis.memory import (
 )
 from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
-from boostlr.config import PRESETS, RunConfig
+from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
 
 __all__ = [  # the time primitives live in chunktime; callers import them from here too
     "CLIP_PASSES",
@@ -84,12 +84,16 @@ __all__ = [  # the time primitives live in chunktime; callers import them from h
 def planning_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the vocabulary set (0 = take it from the preset, as the data would).
 
-    A copy only when the vocabulary is missing (the model is read, never written, here, and a
-    layout search calls this thousands of times)."""
-    if cfg.model.vocab_size >= 1:
+    ``parallel.vocab_dp auto`` is resolved with that vocabulary
+    (:func:`~boostlr.config.resolve_vocab_dp`). A copy only when either is missing (the
+    config is read, never written, here, and a layout search calls this thousands of
+    times)."""
+    if cfg.model.vocab_size >= 1 and isinstance(cfg.parallel.vocab_dp, bool):
         return cfg
     out = copy.deepcopy(cfg)
-    out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    if out.model.vocab_size < 1:
+        out.model.vocab_size = PRESETS[out.model.preset].vocab_size
+    resolve_vocab_dp(out)
     return out
 
 
@@ -121,7 +125,7 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
             pp_bytes += steps * pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a)
     params = rank_params(m, strategy, p, pp_rank, tp_rank)
     gathered = act_size(cfg)  # bf16: FSDP's mixed precision gathers bf16 parameters
-    fsdp = p.dp_mode == "fsdp"
+    fsdp = p.data_parallel_mode == "fsdp"
     if p.pp > 1:
         dp = fsdp_pipeline_bytes(list(params.modules), p.dp, steps, fsdp, mb, gathered)
     else:
@@ -181,7 +185,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     params = rank_params(m, strategy, p, pp_rank)
     out = state_bytes(cfg, pp_rank)
     if p.dp > 1:
-        if p.dp_mode == "fsdp":
+        if p.data_parallel_mode == "fsdp":
             # Two blocks (one prefetched) or the head/embedding unit, and the root (gathered
             # to the stage's backward end), with full grads; FSDP2's staging buffer on top.
             units = max(2 * params.largest_block, params.largest_module)
@@ -217,9 +221,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         res = m.dim // p.tp if strategy == "btp" else m.dim
         if p.act_ckpt == "none":
             acts += tokens * res * (FP32 + 2 * a if strategy == "btp" else 2 * FP32 + a)
-        # The fused head keeps one [tokens, vocab] buffer in the compute dtype; the unfused
-        # loss (and every pipeline: its schedule owns the loss) about three, two of them fp32.
-        fused = cfg.train.fused_loss and p.pp == 1
+        # The fused head keeps one [tokens, vocab] buffer in the compute dtype (a pipeline's
+        # last stage too: its forward ends in the loss); the unfused loss about three, two of
+        # them fp32.
+        fused = cfg.train.fused_loss
         # Split over dp too, a rank has V/(dp·tp) rows for dp·T tokens: the same count.
         rows = -(-m.vocab_size // (p.tp if strategy else 1))
         acts += tokens * rows * (a if fused else a + 2 * FP32)
@@ -290,14 +295,14 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             vocab = vocab_step_bytes(cfg, r)
             nbytes = comm_metrics(cfg, r)["comm_dp_bytes"] - vocab
             modules = max(1, sum(1 for n in params[r].modules if n))
-            if p.dp_mode == "fsdp":  # per (pipeline) micro-batch: 2 gathers, 1 reduction
+            if p.data_parallel_mode == "fsdp":  # per (pipeline) micro-batch: 2 gathers, 1 reduction
                 calls = steps * (mb if p.pp > 1 else 1) * modules * 3
             else:  # gathered once per step, reduced once
                 calls = steps * modules * 2
             span = p.dp * p.tp
             t_dp = collective_time("all_gather", nbytes, calls, p.dp, span, hw)
             exposed = max(0.0, t_dp - compute_only) + t_dp / modules
-            if p.pp > 1 and p.dp_mode != "fsdp":
+            if p.pp > 1 and p.data_parallel_mode != "fsdp":
                 t_dp, exposed = _reduce_after_schedule(cfg, hw, params[r], nbytes, compute_only)
             if vocab:  # embedding: 3 calls, head: 6, per micro-batch
                 edges = sum(

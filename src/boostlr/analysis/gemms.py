@@ -314,7 +314,7 @@ def head_elementwise(
 ) -> ElementWise:
     """Embedding, RoPE tables, final norm and loss on one rank (the LM head is a
     :class:`Gemm`); ``seq`` is the sequence length (the tables' size); ``fused``: the head
-    and loss as one step (``train.fused_loss``, not under pipelining)."""
+    and loss as one step (``train.fused_loss``, a pipeline's last stage included)."""
     t = tp if strategy else 1
     d, v = cfg.dim, -(-cfg.vocab_size // t)
     norm_f, norm_b = NORM

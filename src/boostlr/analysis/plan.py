@@ -135,9 +135,13 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                     strategies = ["megatron"] if tp > 1 else ["auto"]
                 else:
                     strategies = ["vanilla", "btp"] if tp > 1 else ["auto"]
+                # The vocabulary split over dp or held by FSDP: both, whatever auto would pick
+                # (only under data parallelism with untied tables does it change anything).
+                vocab_modes = ("true", "false") if dp > 1 and not m.tie_embeddings else ("auto",)
                 for strategy in strategies:
                     ckpts = ["none", "block"] + (["lowrank"] if strategy == "btp" else [])
-                    for ckpt, mode in itertools.product(ckpts, ("fsdp", "ddp")):
+                    modes = itertools.product(ckpts, ("fsdp", "ddp"), vocab_modes)
+                    for ckpt, mode, vocab in modes:
                         over = {
                             "parallel.tp": str(tp),
                             "parallel.pp": str(pp),
@@ -146,6 +150,7 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                             "parallel.tp_strategy": strategy,
                             "parallel.act_ckpt": ckpt,
                             "parallel.dp_mode": mode,
+                            "parallel.vocab_dp": vocab,
                             "parallel.pp_schedule": schedule,
                             "parallel.microbatches": str(mb),
                             "train.grad_accum": str(accum),

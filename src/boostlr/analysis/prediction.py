@@ -65,7 +65,8 @@ def planned_layout(cfg: RunConfig) -> dict[str, Any]:
         "tp": p.tp,
         "pp": p.pp,
         "dp": p.dp,
-        "dp_mode": p.dp_mode,
+        "dp_mode": p.data_parallel_mode,
+        "vocab_dp": p.vocab_dp,  # resolved (planning_config): auto shows what it decided
         "pp_schedule": p.pp_schedule if p.pp > 1 else None,
         "microbatches": p.pp_microbatches if p.pp > 1 else 1,
         "pp_virtual": p.virtual_stages,

@@ -43,8 +43,11 @@ from boostlr.config.validate import (  # noqa: F401
     profile_range,
     resolve_layout,
     resolve_model,
+    resolve_vocab_dp,
     validate,
     validate_model,
     validate_parallel,
     validate_pipeline,
+    vocab_dp_rule,
+    vocab_over_dp,
 )

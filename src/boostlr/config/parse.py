@@ -38,11 +38,25 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is typing.Literal:  # one of a fixed set: validation names the choices
         return _coerce(value, str, key)
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if isinstance(value, str) and value.lower() in ("none", "null"):
-            return None
-        if value is None:
-            return None
+        args = typing.get_args(annotation)
+        options = [a for a in args if a is not type(None)]
+        # A fixed word besides the type (``bool | Literal["auto"]``): the word as itself.
+        words = [w for a in options if typing.get_origin(a) is typing.Literal for w in a.__args__]
+        plain = [a for a in options if typing.get_origin(a) is not typing.Literal]
+        if isinstance(value, str) and value.lower() in words:
+            return value.lower()
+        if type(None) in args:
+            if isinstance(value, str) and value.lower() in ("none", "null"):
+                return None
+            if value is None:
+                return None
+        if words:
+            try:
+                return _coerce(value, plain[0], key)
+            except ConfigError:
+                name = plain[0].__name__
+                choices = " or ".join(repr(w) for w in words)
+                raise ConfigError(f"{key}: expected {name} or {choices}, got {value!r}") from None
         return _coerce(value, options[0], key)
     try:
         if annotation is bool:

@@ -111,9 +111,18 @@ def _type_name(annotation: Any) -> tuple[str, tuple[str, ...]]:
     if origin is typing.Literal:
         return "string", tuple(str(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        name, allowed = _type_name(options[0])
-        return f"{name}, optional", allowed
+        args = typing.get_args(annotation)
+        options = [a for a in args if a is not type(None)]
+        if type(None) in args:
+            name, allowed = _type_name(options[0])
+            return f"{name}, optional", allowed
+        # ``bool | Literal["auto"]``: a boolean or a fixed word
+        names, allowed = [], []
+        for option in options:
+            name, values = _type_name(option)
+            names.append(name)
+            allowed += values or (["true", "false"] if option is bool else [])
+        return " or ".join(names), tuple(allowed)
     names = {bool: "boolean", int: "integer", float: "float", str: "string"}
     return names[annotation], ()
 

@@ -22,8 +22,9 @@ Device = Literal["auto", "cpu", "cuda"]
 TPStrategy = Literal["auto", "megatron", "vanilla", "btp"]
 NormMode = Literal["online", "sync"]
 ActCkpt = Literal["none", "lowrank", "block"]
-DPMode = Literal["fsdp", "ddp"]
+DPMode = Literal["auto", "fsdp", "ddp"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved"]
+Auto = Literal["auto"]
 
 ARCHS: tuple[str, ...] = get_args(Arch)
 LOWRANK_ARCHS = ("cola", "svd", "lax")
@@ -216,7 +217,7 @@ class TrainConfig:
     """The LM head and its cross-entropy in one step: each chunk of logits becomes its
     gradient while in cache, so one ``[tokens, vocab]`` buffer is kept instead of about four
     (logits, their fp32 copy, log-softmax, gradient); same loss and gradients to fp32
-    rounding. Pipeline runs keep the unfused loss: their schedule owns it."""
+    rounding. Under a pipeline the last stage's forward ends in it too."""
     global_batch: int = 0
     """Sequences per optimizer step over all data-parallel ranks; 0 = ``batch_size x
     grad_accum x dp``. When set it derives ``grad_accum = global_batch / (batch_size x dp)``,
@@ -249,15 +250,27 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
     (times ``pp_virtual`` under ``interleaved``)."""
-    dp_mode: DPMode = "fsdp"
-    """``fsdp``: parameters resharded after forward (ZeRO-3-like); ``ddp``: kept gathered
-    from forward to backward, only gradients reduce-scattered (ZeRO-2-like)."""
-    vocab_dp: bool = True
+    dp_mode: DPMode = "auto"
+    """``fsdp``: parameters resharded after forward (ZeRO-3-like); under a pipeline also
+    after every pipeline micro-batch's backward, whose gradients are reduce-scattered then:
+    a gather in each micro-batch's forward and backward and a reduction, per FSDP unit.
+    ``ddp``: kept gathered from forward to backward, only gradients reduce-scattered
+    (ZeRO-2-like); under a pipeline kept gathered, with the stage's unreduced gradients,
+    from the first micro-batch to the step's one reduction (torchtitan's choice under PP).
+    ``auto``: ``ddp`` under a pipeline (``pp > 1``: a fifth to a sixth of the dp bytes for
+    a stage's gathered bf16 weights and full gradients, benchmarks/RESULTS.md), else
+    ``fsdp``. The run's saved config shows the mode it resolved to."""
+    vocab_dp: bool | Auto = "auto"
     """Under data parallelism, split an untied embedding's and LM head's rows over dp: they
-    exchange activations (token ids, partial embeddings, the head's input) and are never
-    gathered. Off: FSDP units of their own, gathered whole (``V x d / tp``) around their
-    forward and backward; less traffic once dp x tokens per micro-batch passes about
-    1.5 x V / tp (large micro-batches on many GPUs), at the cost of those gathered tables."""
+    exchange activations (token ids, partial embeddings, the head's input: ``[dp x T, d]``
+    gathered per micro-batch and kept for the backward) and are never gathered. ``false``:
+    FSDP units of their own, gathered whole (``V x d / tp``) around their forward and
+    backward. ``auto`` splits unless ``dp x T > 1.5 x V / tp``, ``T`` being the tokens of
+    one micro-batch on a rank (``train.batch_size x data.seq_len``, divided by
+    ``parallel.microbatches`` under a pipeline) and ``V`` the vocabulary: past that the
+    split's activations (about ``2 x dp x T x d`` per micro-batch) outweigh gathering and
+    reducing the tables (about ``3 x V / tp x d``). Resolved to ``true``/``false`` once the
+    vocabulary is known; the run's saved config and ``boostlr plan`` show the result."""
     pp_schedule: PPSchedule = "1f1b"
     """Pipeline schedule; ``interleaved`` (interleaved 1F1B) runs ``pp_virtual`` stages per
     rank. ``1f1b`` and ``interleaved`` need ``microbatches >= pp``, ``interleaved`` a
@@ -300,6 +313,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+    @property
+    def data_parallel_mode(self) -> str:
+        """``dp_mode`` with ``auto`` decided: ``ddp`` under a pipeline, else ``fsdp``."""
+        if self.dp_mode != "auto":
+            return self.dp_mode
+        return "ddp" if self.pp > 1 else "fsdp"
 
     @property
     def virtual_stages(self) -> int:

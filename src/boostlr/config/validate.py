@@ -66,6 +66,50 @@ def resolve_layout(cfg: RunConfig) -> None:
                 "--train.batch_size / --parallel.dp"
             )
         t.grad_accum = t.global_batch // per_step
+    if p.dp_mode == "auto":  # decided by the layout alone (ParallelConfig.data_parallel_mode)
+        p.dp_mode = p.data_parallel_mode
+    resolve_vocab_dp(cfg)
+
+
+def vocab_dp_rule(cfg: RunConfig) -> bool:
+    """Whether ``parallel.vocab_dp auto`` splits the vocabulary over dp (docs/design.md §4.6).
+
+    Split unless ``dp x T > 1.5 x V / tp``, with ``T`` the tokens of one micro-batch on a
+    rank (``batch_size x seq_len``, over ``parallel.microbatches`` under a pipeline: the
+    head runs once per pipeline micro-batch) and ``V`` the vocabulary. Per micro-batch the
+    split all-gathers the head input ``[dp x T, d]`` and reduce-scatters its gradient (the
+    embedding likewise): about ``2 x dp x T x d`` elements, kept for the backward; FSDP-held
+    tables gather ``V/tp x d`` in the forward and again in the backward and reduce-scatter
+    their gradient: about ``3 x V/tp x d``. Equal at ``dp x T = 1.5 x V / tp``; at equality
+    the split stays (no gathered tables, and the bytes are the same).
+    """
+    p, t = cfg.parallel, cfg.train
+    micro = t.batch_size // (p.pp_microbatches if p.pp > 1 else 1)
+    tokens = micro * cfg.data.seq_len
+    return not p.dp * tokens > 1.5 * cfg.model.vocab_size / p.tp
+
+
+def resolve_vocab_dp(cfg: RunConfig) -> None:
+    """Turn ``parallel.vocab_dp = "auto"`` into the rule's bool, once the vocabulary is known.
+
+    The one place ``auto`` is decided: :func:`resolve_layout` calls it (a config whose
+    vocabulary is set), the trainer once the tokenizer gives the vocabulary
+    (``boostlr.train.run.bind_vocab``), the planner once it takes the preset's. Every
+    consumer reads the bool (``ParallelConfig.vocab_over_dp``); the saved config shows it.
+    """
+    if cfg.parallel.vocab_dp == "auto" and cfg.model.vocab_size >= 1:
+        cfg.parallel.vocab_dp = vocab_dp_rule(cfg)
+
+
+def vocab_over_dp(cfg: RunConfig) -> bool:
+    """``parallel.vocab_dp`` as a bool: as resolved, or by :func:`vocab_dp_rule` for a config
+    whose vocabulary was set after its resolution (the rule's one definition either way)."""
+    value = cfg.parallel.vocab_dp
+    if isinstance(value, bool):
+        return value
+    if cfg.model.vocab_size < 1:
+        raise ValueError("parallel.vocab_dp auto needs the vocabulary: set model.vocab_size")
+    return vocab_dp_rule(cfg)
 
 
 def resolve_model(model: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
@@ -165,6 +209,8 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
     _choice("parallel.act_ckpt", p.act_ckpt, ACT_CKPT_MODES)
     _choice("parallel.dp_mode", p.dp_mode, DP_MODES)
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    if p.vocab_dp not in (True, False, "auto"):
+        raise ConfigError(f"parallel.vocab_dp '{p.vocab_dp}' is not one of: true, false, auto")
     for key, value in (("tp", p.tp), ("dp", p.dp), ("pp", p.pp), ("pp_virtual", p.pp_virtual)):
         if value < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {value}")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from boostlr.config import RunConfig
+from boostlr.config import RunConfig, vocab_over_dp
 from boostlr.models.init import initial_value
 from boostlr.models.llama import LlamaModel
 from boostlr.models.placement import chunk_range, stage_ids, stage_layers
@@ -67,7 +67,7 @@ def build_stages(
     mark_phase("materialise")
     if comms.dp.size > 1:
         for part in stages:
-            apply_data_parallel(part, comms, p.dp_mode, cfg.train.dtype)
+            apply_data_parallel(part, comms, p.data_parallel_mode, cfg.train.dtype)
         mark_phase("FSDP wrap")
     for part in stages:
         part.build_s = time.perf_counter() - started
@@ -80,10 +80,11 @@ def splits_vocab_over_dp(cfg: RunConfig, comms: MeshComms) -> bool:
     FSDP would gather each of them whole (``V x d / tp``, a model's largest units) in every
     forward and backward and hold their full gradient and its reduction buffer at once; split
     over dp they are never gathered. A tied table serves both the lookup (split along d under
-    BTP) and the head, so it stays with FSDP; ``parallel.vocab_dp false`` keeps them with FSDP
+    BTP) and the head, so it stays with FSDP; ``parallel.vocab_dp`` false (or ``auto``
+    resolved to false: :func:`~boostlr.config.validate.vocab_dp_rule`) keeps them with FSDP
     too (as units of their own).
     """
-    return comms.dp.size > 1 and cfg.parallel.vocab_dp and not cfg.model.tie_embeddings
+    return comms.dp.size > 1 and vocab_over_dp(cfg) and not cfg.model.tie_embeddings
 
 
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")

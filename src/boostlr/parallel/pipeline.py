@@ -1,7 +1,8 @@
 """Pipeline parallelism with ``torch.distributed.pipelining`` (docs/design.md §4).
 
 Layers are split evenly into stages: the embedding on the first, final norm + head on the
-last (the loss is the vocab-parallel cross-entropy of the last stage's logits). A stage
+last, whose forward ends in the loss itself (the fused head loss, :mod:`boostlr.parallel.head_loss`,
+under ``train.fused_loss``): no stage outputs logits and the schedule keeps no outputs. A stage
 boundary carries the residual (BTP: this rank's ``[mb, s, d/t]`` slice; Megatron/vanilla:
 the replicated ``[mb, s, d]``) plus, for LaX, the seven latents in ``LATENT_NAMES`` order,
 each in the dtype :func:`~boostlr.parallel.tensor_parallel.boundary_dtypes` declares: the
@@ -27,7 +28,6 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._backward import stage_backward
 
 from boostlr.config import RunConfig
-from boostlr.models.params import local
 from boostlr.models.placement import stage_ids
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.context import compute_dtype
@@ -168,7 +168,7 @@ class Pipeline:
         pipeline_stages = []
         # ddp mode keeps parameters gathered from forward to backward by design, so its
         # stages keep torch's single reduction after the last micro-batch.
-        stage_class = ShardedBackwardStage if p.dp_mode == "fsdp" else PipelineStage
+        stage_class = ShardedBackwardStage if p.data_parallel_mode == "fsdp" else PipelineStage
         for part, sid in zip(stages, self.ids, strict=True):
             record_sends(part, pp)
             pipeline_stages.append(
@@ -182,7 +182,7 @@ class Pipeline:
                     group=pp.group,
                 )
             )
-        loss_fn = self._loss_fn(stages[-1])
+        loss_fn = self._loss_fn()
         if p.pp_schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(
                 pipeline_stages, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
@@ -204,25 +204,35 @@ class Pipeline:
     def _example_outputs(self, sid: int, part: TensorParallelModel, device) -> tuple[Tensor, ...]:
         if sid < self.num_stages - 1:  # requires_grad: the next stage sends their grads
             return boundary_buffers(self.cfg, self.micro, self.tp, device, requires_grad=True)
-        vocab = local(part.model.lm_head.weight).shape[0]
-        # With the vocabulary split over dp, the logits are every dp rank's tokens (the last
-        # stage's output stays on its rank: the loss takes it, nothing receives it).
-        rows = self.micro * part.ctx.vocab_dp_size
-        return (torch.zeros(rows, self.seq_len, vocab, dtype=part.ctx.dtype, device=device),)
+        # The last stage's forward ends in its micro-batch's mean loss (it stays on the rank:
+        # the schedule's loss function takes it, nothing receives it).
+        return (torch.zeros((), dtype=torch.float32, device=device),)
 
-    def _loss_fn(self, last: TensorParallelModel) -> Callable[[Tensor, Tensor], Tensor]:
-        def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-            loss = last.loss(logits, targets)
+    def _loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
+        """The schedule's loss: the last stage's output already is the micro-batch's loss.
+
+        The stage computed it in its forward from the targets it was handed as a keyword
+        argument (:meth:`step`), so the head's logits never leave it: fused, one buffer in
+        the compute dtype, instead of ``[T, V/t]`` fp32 logits handed to the schedule.
+        """
+
+        def loss_fn(loss: Tensor, _targets: Tensor) -> Tensor:
             self.losses.append(loss.detach())
             return loss * self.loss_scale / self.microbatches
 
         return loss_fn
 
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Forward + backward of one batch; the mean loss on the last stage, else 0."""
+        """Forward + backward of one batch; the mean loss on the last stage, else 0.
+
+        ``targets`` reach the stages as a keyword argument, cut into micro-batches as the
+        inputs are (every stage gets them; only the last reads them). The schedule keeps no
+        outputs (``return_outputs=False``): by default it would hold every micro-batch's
+        last-stage output until the step ends.
+        """
         self.losses = []
         with timed_p2p_waits(self.pp, inputs.device):
-            self.schedule.step(inputs, target=targets)
+            self.schedule.step(inputs, target=targets, targets=targets, return_outputs=False)
         if not self.losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack(self.losses).mean()
@@ -256,10 +266,10 @@ def evaluate_pipeline(
             args = boundary_buffers(cfg, inputs.shape[0], tp, inputs.device)
             for t in args:
                 dist.recv(t, group_src=(sid - 1) % pp.size, group=pp.group)
-        result = part(*args)
-        if sid == num_stages - 1:
-            loss = part.loss(result, targets).float()
+        if sid == num_stages - 1:  # the last stage's forward ends in the loss
+            loss = part(*args, targets=targets).float()
         else:
+            result = part(*args)
             out = result if isinstance(result, tuple) else (result,)
             if sid + 1 not in by_id:
                 for t in out:  # already as declared (TensorParallelModel.forward)

@@ -88,8 +88,9 @@ class TensorParallelModel(nn.Module):
         """Stage outputs; with ``targets`` (a whole model) the mean loss.
 
         The first stage takes tokens, a later one the residual (plus LaX's latents in
-        :data:`LATENT_NAMES` order); the last stage returns this rank's logits, an earlier one
-        ``(x, *latents)``.
+        :data:`LATENT_NAMES` order); the last stage returns this rank's logits, or with
+        ``targets`` its loss (how a pipeline's last stage runs: the head's logits never leave
+        it), an earlier one ``(x, *latents)``.
         """
         s, ctx = self.strategy, self.ctx
         if self.model.first:

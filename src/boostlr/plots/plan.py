@@ -310,6 +310,7 @@ def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
             layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
         if lay["dp"] > 1:
             layout += f" {lay['dp_mode']}"
+            layout += " vocab/dp" if lay["vocab_dp"] else " vocab/fsdp"  # as auto resolved
         table.add_row(
             r.arch,
             r.strategy or "none (tp 1)",

@@ -25,7 +25,7 @@ def layout_of(cfg: RunConfig) -> dict:
         "tp": p.tp,
         "strategy": p.strategy_for(cfg.model.arch),
         "stages_per_rank": p.virtual_stages,
-        "dp_mode": p.dp_mode if p.dp > 1 else None,
+        "dp_mode": p.data_parallel_mode if p.dp > 1 else None,
     }
 
 

@@ -21,7 +21,7 @@ import traceback
 from typing import Any
 
 from boostlr.analysis.costmodel import planning_config
-from boostlr.config import RunConfig
+from boostlr.config import RunConfig, vocab_over_dp
 from boostlr.errors import BoostlrError
 from boostlr.trace.rank import RankTrace, coordinates
 
@@ -33,7 +33,7 @@ def traced_ranks(cfg: RunConfig) -> list[int]:
     p = cfg.parallel
     per_stage = p.dp * p.tp
     ranks = [pp * per_stage for pp in range(p.pp)]
-    split = p.tp * (p.dp if p.dp > 1 and p.vocab_dp and not cfg.model.tie_embeddings else 1)
+    split = p.tp * (p.dp if p.dp > 1 and vocab_over_dp(cfg) and not cfg.model.tie_embeddings else 1)
     if split > 1 and cfg.model.vocab_size % split:
         for pp in sorted({0, p.pp - 1}):
             ranks.append(pp * per_stage + per_stage - 1)

@@ -52,7 +52,7 @@ def memory_options(cfg: RunConfig) -> list[str]:
         options.append(
             f"--train.batch_size {t.batch_size // 2} --train.grad_accum {2 * t.grad_accum}"
         )
-    if p.dp > 1 and p.dp_mode == "ddp":
+    if p.dp > 1 and p.data_parallel_mode == "ddp":
         options.append("--parallel.dp_mode fsdp")
     if t.async_ckpt:
         options.append("--train.async_ckpt false")

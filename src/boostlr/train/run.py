@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from boostlr.config import RunConfig, from_dict, to_dict
+from boostlr.config import RunConfig, from_dict, resolve_vocab_dp, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.data.loader import split_validation
 from boostlr.errors import (
@@ -81,6 +81,7 @@ def bind_vocab(cfg: RunConfig, dataset: TokenDataset) -> None:
             f"model.vocab_size {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
             f"({dataset.vocab_size}): leave model.vocab_size at 0 to take it from the data"
         )
+    resolve_vocab_dp(cfg)  # parallel.vocab_dp auto depends on the vocabulary
 
 
 def restart_attempt() -> int:
