@@ -4,9 +4,9 @@ boostlr relies on torch behaviour that older releases lack: FSDP2's ``DefaultAll
 ``set_custom_all_gather`` (absent before 2.9), and pipelining that takes FSDP-wrapped stages
 with strided stage inputs (2.9-2.11 fail the pp x dp tests); on 2.12 the first stage of a
 pp x dp x tp step peaks above what the plan allows (tests/test_memory_peak.py fails there,
-passes from 2.13). Without this check an old torch (cluster containers often pin one) dies with a traceback inside each rank, or worse, in a
-collective; with it, one line names the installed and the needed version before anything
-starts.
+passes from 2.13). Without this check an old torch (cluster containers often pin one) dies
+with a traceback inside each rank, or worse, in a collective; with it, one line names the
+installed and the needed version before anything starts.
 """
 
 from __future__ import annotations
