@@ -124,9 +124,6 @@ DEVICE_ALLOWED = {
     "boostlr.analysis.hardware": "profile kind",
     # ``torch.device(device).type == "meta"``: building without storage, not a device kind.
     "boostlr.models.llama": "meta build",
-    # The init draw's chunk size per device kind (a cache-size constant, no device path);
-    # models/ sits below parallel/ (the cost model imports it), so it cannot ask the device module.
-    "boostlr.models.philox": "chunk size",
 }
 
 

@@ -15,7 +15,7 @@ import torch
 
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import cola_std
-from boostlr.models.philox import normal_box, stream_key
+from boostlr.models.philox import HOST_CHUNK_COUNTERS, normal_box, stream_key
 from boostlr.models.shapes import linear_shapes
 
 Box = Sequence[tuple[int, int]]
@@ -55,13 +55,15 @@ def initial_value(
     box: Box | None = None,
     device: torch.device | str = "cpu",
     draw: bool = True,
+    chunk: int = HOST_CHUNK_COUNTERS,
 ) -> torch.Tensor:
     """Parameter ``name``'s initial value (fp32): whole, or only ``box`` of it.
 
     ``box`` is one ``(start, end)`` per dim of the full ``shape``; the result equals the
     whole value's slice bit for bit and costs only the slice's elements. ``draw=False`` gives
     an uninitialised tensor of the same shape: a trace on fake tensors has no values to draw
-    (and the inverse CDF's data-dependent tail split cannot run there).
+    (and the inverse CDF's data-dependent tail split cannot run there). ``chunk``: counters
+    per step of the draw (speed only).
     """
     box = [(0, n) for n in shape] if box is None else list(box)
     rule = init_rule(cfg, name)
@@ -72,4 +74,5 @@ def initial_value(
         return torch.ones(size, device=device)
     if rule == "zeros":
         return torch.zeros(size, device=device)
-    return normal_box(stream_key("init", seed, name), shape, box, std=rule, device=device)
+    key = stream_key("init", seed, name)
+    return normal_box(key, shape, box, std=rule, device=device, chunk=chunk)

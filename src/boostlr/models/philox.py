@@ -135,9 +135,10 @@ def _collapse(
     return shape, box
 
 
-def _chunk_counters(device: torch.device) -> int:
-    """Counters per step: temporaries that stay in a CPU's cache, or fill a GPU."""
-    return 1 << (22 if device.type == "cuda" else 16)
+# Counters per step of a draw: temporaries that stay in a CPU's cache. The caller that knows
+# the device passes a larger chunk for a GPU (``boostlr.parallel.device.init_draw_counters``);
+# the chunk changes only the speed, never a value.
+HOST_CHUNK_COUNTERS = 1 << 16
 
 
 def normal_box(
@@ -147,10 +148,12 @@ def normal_box(
     std: float = 1.0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    chunk: int = HOST_CHUNK_COUNTERS,
 ) -> Tensor:
     """``std *`` standard normals of the elements of ``box`` (``(start, end)`` per dim).
 
-    Equals ``normal_box(key, shape)[box]`` bit for bit, computed without the rest.
+    Equals ``normal_box(key, shape)[box]`` bit for bit, computed without the rest, whatever
+    ``chunk`` (counters drawn per step) is.
     """
     box = [(0, n) for n in shape] if box is None else [tuple(r) for r in box]
     out = torch.empty([b - a for a, b in box], dtype=dtype, device=device)
@@ -165,7 +168,6 @@ def normal_box(
     start, end = box2[-1]
     width = end - start
     flat = out.view(-1, width)
-    chunk = _chunk_counters(torch.device(device))
     aligned = start % 4 == 0 and width % 4 == 0 and all(s % 4 == 0 for s in strides[:-1])
     per_step = max(1, chunk // (width // 4 + 2))  # rows per step
     for r0 in range(0, bases.shape[0], per_step):

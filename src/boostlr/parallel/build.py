@@ -25,6 +25,7 @@ from boostlr.models.llama import LlamaModel
 from boostlr.models.placement import chunk_range, stage_ids, stage_layers
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
+from boostlr.parallel.device import init_draw_counters
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.sharding import ShardSpec, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -114,7 +115,9 @@ def materialize(
                 value = _vocab_dtensor(name, shape, seed, spec, part, comms, device, draw)
             else:
                 box = shard_box(shape, spec, rank, tp)
-                shard = initial_value(part.cfg, name, shape, seed, box, device, draw)
+                shard = initial_value(
+                    part.cfg, name, shape, seed, box, device, draw, init_draw_counters(device)
+                )
                 value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, shape)
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
@@ -142,7 +145,9 @@ def _vocab_dtensor(
     if spec.dim == 1:
         cols = chunk_range(shape[1], comms.tp.rank, comms.tp.size)
     box = [(split.start, split.end), cols]
-    shard = initial_value(part.cfg, name, shape, seed, box, device, draw)
+    shard = initial_value(
+        part.cfg, name, shape, seed, box, device, draw, init_draw_counters(device)
+    )
     tp_placement = Replicate() if spec.dim is None else Shard(spec.dim)
     mesh = comms.mesh["dp", "tp"]
     stride = torch.empty(shape, device="meta").stride()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity
 
 from boostlr.errors import ConfigError
+from boostlr.models.philox import HOST_CHUNK_COUNTERS
 
 CUDA = "cuda"
 HOST = "cpu"
@@ -113,6 +114,12 @@ def check_local_gpus(device: torch.device, ranks: int) -> None:
 def accelerator_name(device: torch.device) -> str | None:
     """The GPU's marketing name (matched against shipped profiles); ``None`` on a CPU."""
     return None if runs_on_host(device) else torch.cuda.get_device_name(device)
+
+
+def init_draw_counters(device: torch.device) -> int:
+    """Counters per step of the counter-based init draw on ``device``: the CPU's cache-sized
+    default, or enough to fill a GPU (values are the same either way)."""
+    return HOST_CHUNK_COUNTERS if runs_on_host(device) else 1 << 22
 
 
 def claim_device(kind: str, index: int) -> torch.device:
