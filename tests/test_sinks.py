@@ -224,6 +224,11 @@ def _offline_run(
             trainer.train(cfg, run, console=False)
     else:
         trainer.train(cfg, run, console=False)
+    # The records are written by wandb's service process; stopping it waits for the file to
+    # be complete (a run that ended by an exception was otherwise read before its history).
+    import wandb
+
+    wandb.teardown()
     run_id = (run / "wandb_id").read_text().strip()
     (path,) = (wb / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
     assert not (run / "wandb").exists()  # WANDB_DIR wins over the run directory
