@@ -79,21 +79,15 @@ def program(schedule: str, rank: int, stages: int, microbatches: int) -> list[St
     """Rank ``rank``'s program for one schedule step, in the order torch issues it
     (``Schedule1F1B._step_microbatches``, ``ScheduleGPipe._step_microbatches``)."""
     g, m = _Program(rank, stages), microbatches
-    if schedule == "gpipe":
-        sends: list[int] = []
-        for i in range(m):
-            g.wait(g.post(g.fwd_recv(i)))
-            g.compute("F", i)
-            sends.append(g.post(g.fwd_send(i)))
-        for s in sends:
-            g.wait(s)
-        sends = []
-        for i in range(m):
-            g.wait(g.post(g.bwd_recv(i)))
-            g.compute("B", i)
-            sends.append(g.post(g.bwd_send(i)))
-        for s in sends:
-            g.wait(s)
+    if schedule == "gpipe":  # every forward, then every backward, each half alike
+        for kind, recv, send in (("F", g.fwd_recv, g.fwd_send), ("B", g.bwd_recv, g.bwd_send)):
+            sends: list[int] = []
+            for i in range(m):
+                g.wait(g.post(recv(i)))
+                g.compute(kind, i)
+                sends.append(g.post(send(i)))
+            for s in sends:
+                g.wait(s)
         return g.steps
     if schedule != "1f1b":
         raise ValueError(f"no program for schedule {schedule!r}")
