@@ -62,7 +62,7 @@ def config(args: argparse.Namespace, world: int):
     return build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
 
 
-def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
+def rank_entry(cfg_dict: dict, root: str, saves: int, disks: list[str]) -> dict:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cfg = from_dict(cfg_dict)
     device = torch.device("cpu")
@@ -71,6 +71,19 @@ def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
     model = ParallelModel.build(cfg, device)
     optimizer = build_optimizer(model.parameters(), cfg.train, fused=False)
     init_optimizer_state(optimizer)
+    with torch.no_grad():  # moments as a trained model has them: bytes a disk cannot compress
+        for moments in optimizer.state.values():
+            for name in ("exp_avg", "exp_avg_sq"):
+                local = (
+                    moments[name].to_local()
+                    if hasattr(moments[name], "to_local")
+                    else moments[name]
+                )
+                local.copy_(
+                    torch.randn_like(local).abs_()
+                    if name == "exp_avg_sq"
+                    else torch.randn_like(local)
+                )
     named = model.named_parameters()
     state = {"model": dict(named), "optim": {n: optimizer.state[p] for n, p in named}}
     local_bytes = sum(
@@ -80,29 +93,41 @@ def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
     )
     group = model.comms.ckpt_group
     report: dict = {"rank": rank, "shard_mb": local_bytes / MB}
+    rng = {"cpu": torch.get_rng_state()}
     for mode in ("sync", "async"):
-        ckpt_root = Path(root) / mode
-        writer = CheckpointWriter(ckpt_root, rank, group, keep=1, async_save=mode == "async")
-        blocked, total, floor = [], [], []
-        for i in range(saves):
-            dist.barrier()
-            started = time.perf_counter()
-            rng = {"cpu": torch.get_rng_state()}
-            writer.save(i + 1, state, {"step": i + 1}, rng, {}, {})
-            blocked.append(time.perf_counter() - started)  # all the caller waited for
-            writer.wait()  # time to a published checkpoint (async: training would go on)
-            total.append(time.perf_counter() - started)
-            if mode == "sync":  # the floor right after each save: the same load on the machine
-                floor.append(fsync_floor(writer.last_path, rank, Path(root), 1))
-        writer.close()
-        report[f"{mode}_block_s"] = statistics.median(blocked)
-        report[f"{mode}_save_mb_s"] = local_bytes / MB / statistics.median(total)
-        if floor:
-            report["fsync_s"] = statistics.median(floor)
-            report["sync_fsync"] = statistics.median(
-                [b / f for b, f in zip(blocked, floor, strict=True)]
-            )
-    ckpt: Checkpoint = read_checkpoint(Path(root) / "sync" / f"step_{saves}")
+        for disk in disks if mode == "sync" else disks[:1]:
+            where = Path(root) / f"{mode}-{disk}"
+            blocked, total, floor = [], [], []
+            # Nothing is pruned in the background while timing (a deletion beside the floor
+            # slows it). With ``reused`` each write first deletes its own previous one (the
+            # save the previous checkpoint, the floor the previous floor file), as a run that
+            # keeps one checkpoint does; with ``fresh`` nothing is deleted. Either way the
+            # save and the floor meet the disk in the same state.
+            writer = CheckpointWriter(where, rank, group, keep=saves, async_save=mode == "async")
+            for i in range(saves):
+                if disk == "reused" and i > 0:
+                    delete_previous(where / f"step_{i}", rank)
+                dist.barrier()
+                started = time.perf_counter()
+                writer.save(i + 1, state, {"step": i + 1}, rng, {}, {})
+                blocked.append(time.perf_counter() - started)  # all the caller waited for
+                writer.wait()  # time to a published checkpoint (async: training would go on)
+                total.append(time.perf_counter() - started)
+                if mode == "sync":  # the floor right after each save
+                    data = written_bytes(writer.last_path, rank)
+                    target = where / "floor" / f"rank{rank}_{i}.bin"
+                    if disk == "reused" and i > 0:
+                        (where / "floor" / f"rank{rank}_{i - 1}.bin").unlink()
+                    floor.append(fsync_floor(data, target))
+            writer.close()
+            key = mode if mode == "async" else f"{mode}_{disk}"
+            report[f"{key}_block_s"] = statistics.median(blocked)
+            report[f"{key}_save_mb_s"] = local_bytes / MB / statistics.median(total)
+            if floor:
+                report[f"{key}_fsync_s"] = statistics.median(floor)
+                ratios = [b / f for b, f in zip(blocked, floor, strict=True)]
+                report[f"{key}_ratio"] = statistics.median(ratios)
+    ckpt: Checkpoint = read_checkpoint(Path(root) / f"sync-{disks[0]}" / f"step_{saves}")
     loads = []
     for _ in range(saves):
         dist.barrier()
@@ -114,25 +139,32 @@ def rank_entry(cfg_dict: dict, root: str, saves: int) -> dict:
     return report
 
 
-def fsync_floor(ckpt: Path, rank: int, root: Path, repeats: int) -> float:
-    """Median seconds to write (and fsync) the bytes this rank wrote into ``ckpt``."""
+def delete_previous(ckpt: Path, rank: int) -> None:
+    """Rank 0 deletes the previous checkpoint before the next save (the others wait)."""
+    if rank == 0:
+        shutil.rmtree(ckpt)
+    dist.barrier()
+
+
+def written_bytes(ckpt: Path, rank: int) -> bytes:
+    """The bytes of the files this rank wrote into ``ckpt`` (its shards and RNG file)."""
     meta = json.loads((ckpt / "meta.json").read_text())
     mine = [
         n for n in meta["files"] if n.startswith(f"__{rank}_") or n == f"rng_rank{rank}.safetensors"
     ]
-    data = b"".join((ckpt / name).read_bytes() for name in sorted(mine))
-    times = []
-    for i in range(repeats):
-        dist.barrier()
-        target = root / f"fsync_rank{rank}_{i}.bin"
-        started = time.perf_counter()
-        with open(target, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        times.append(time.perf_counter() - started)
-        target.unlink()
-    return statistics.median(times)
+    return b"".join((ckpt / name).read_bytes() for name in sorted(mine))
+
+
+def fsync_floor(data: bytes, target: Path) -> float:
+    """Seconds to write ``data`` from memory to a new file and fsync it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    started = time.perf_counter()
+    with open(target, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -149,6 +181,14 @@ def main() -> None:
         metavar="DIMxLAYERSxVOCAB",
         help="further model sizes measured after --dim/--layers/--vocab, e.g. 512x8x32000",
     )
+    parser.add_argument(
+        "--disk",
+        nargs="+",
+        choices=["reused", "fresh"],
+        default=["reused", "fresh"],
+        help="write onto blocks just freed (a run that prunes old checkpoints) and/or onto "
+        "new ones; a VM's disk can write the two at very different speeds",
+    )
     args = parser.parse_args()
     sizes = [(args.dim, args.layers, args.vocab)]
     for text in args.more_sizes:
@@ -158,9 +198,9 @@ def main() -> None:
             parser.error(f"--more-sizes: {text!r} is not DIMxLAYERSxVOCAB, e.g. 512x8x32000")
         sizes.append((dim, layers, vocab))
     print(
-        f"{'size':>14} {'ranks':>5} {'shard MB':>9} {'sync save MB/s':>15} {'async save MB/s':>16} "
-        f"{'load MB/s':>10} {'sync block s':>13} {'async block s':>14} {'fsync s':>8} "
-        f"{'sync/fsync':>10} {'async/sync':>10}"
+        f"{'size':>14} {'ranks':>5} {'disk':>6} {'shard MB':>9} {'sync save MB/s':>15} "
+        f"{'load MB/s':>10} {'sync block s':>13} {'fsync s':>8} {'sync/fsync':>10} "
+        f"{'async block s':>14} {'async/sync':>10}"
     )
     for dim, layers, vocab in sizes:
         shape = argparse.Namespace(dim=dim, layers=layers, vocab=vocab)
@@ -168,20 +208,21 @@ def main() -> None:
             root = tempfile.mkdtemp(prefix="boostlr-ckpt-bench-")
             try:
                 cfg = config(shape, world)
-                results = launch(world, rank_entry, to_dict(cfg), root, args.saves)
+                results = launch(world, rank_entry, to_dict(cfg), root, args.saves, args.disk)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-            report(f"{dim}x{layers}x{vocab}", world, results[0])
+            for disk in args.disk:
+                report(f"{dim}x{layers}x{vocab}", world, disk, results[0])
 
 
-def report(size: str, world: int, r: dict) -> None:
-    """One row of the table: rank 0's medians."""
+def report(size: str, world: int, disk: str, r: dict) -> None:
+    """One row of the table: rank 0's medians (async saves are timed on ``--disk``'s first)."""
+    sync = f"sync_{disk}"
     print(
-        f"{size:>14} {world:>5} {r['shard_mb']:>9.1f} {r['sync_save_mb_s']:>15.1f} "
-        f"{r['async_save_mb_s']:>16.1f} {r['load_mb_s']:>10.1f} {r['sync_block_s']:>13.3f} "
-        f"{r['async_block_s']:>14.3f} {r['fsync_s']:>8.3f} "
-        f"{r['sync_fsync']:>10.2f} "
-        f"{r['async_block_s'] / r['sync_block_s']:>10.2f}"
+        f"{size:>14} {world:>5} {disk:>6} {r['shard_mb']:>9.1f} {r[sync + '_save_mb_s']:>15.1f} "
+        f"{r['load_mb_s']:>10.1f} {r[sync + '_block_s']:>13.3f} {r[sync + '_fsync_s']:>8.3f} "
+        f"{r[sync + '_ratio']:>10.2f} {r['async_block_s']:>14.3f} "
+        f"{r['async_block_s'] / r[sync + '_block_s']:>10.2f}"
     )
 
 

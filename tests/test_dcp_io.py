@@ -63,6 +63,32 @@ def test_every_file_dcp_writes_is_hashed_as_written(tmp_path: Path, mode: str) -
     assert torch.equal(loaded["optim"]["w"]["exp_avg"], original["optim"]["w"]["exp_avg"])
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_shard_records_skip_the_zip_crc_and_still_load(tmp_path: Path, mode: str) -> None:
+    """The sha256 covers the shards, so their records are written without torch's CRC-32
+    (a torch that stops honouring the setting fails here); the setting is restored."""
+    import zipfile
+
+    from torch.utils.serialization import config
+
+    writer = dcp_io.HashingFileSystemWriter(tmp_path)
+    if mode == "sync":
+        dcp_io.save(state(), writer, None)
+    else:
+        dcp_io.async_save(state(), writer, None).result()
+    assert config.save.compute_crc32  # torch's default, back after the save
+    metadata = dcp_io.SafeFileSystemReader(str(tmp_path)).read_metadata()
+    crcs = []
+    for info in metadata.storage_data.values():
+        with open(tmp_path / info.relative_path, "rb") as fh:
+            fh.seek(info.offset)
+            record = io.BytesIO(fh.read(info.length))
+        crcs += [entry.CRC for entry in zipfile.ZipFile(record).infolist()]
+        record.seek(0)
+        torch.load(record, weights_only=True)  # a plain torch.load reads the record
+    assert len(crcs) > 3 and set(crcs) == {0}
+
+
 def test_a_hashing_stream_only_writes_forward() -> None:
     raw = io.BytesIO()
     stream = dcp_io.HashingStream(raw)
