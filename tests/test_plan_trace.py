@@ -17,6 +17,7 @@ from distributed import run_distributed
 from parallel_cases import VOCAB, layout_config
 
 from boostlr.analysis.costmodel import comm_metrics
+from boostlr.config import build_config
 from boostlr.trace import fake_world
 from boostlr.trace.counter import StorageCounter, allocator_size, counting
 from boostlr.trace.rank import RankTrace, coordinates
@@ -228,11 +229,34 @@ def test_plan_trace_json_has_the_documented_fields(tmp_path) -> None:
     assert 0 < e["peak_bytes"] <= e["device_bytes"]
 
 
+def test_ranks_traced_side_by_side_equal_ranks_traced_one_by_one() -> None:
+    """``--trace-jobs``: the ranks' processes are independent, so running them at once
+    changes nothing they report, and the results come back in rank order."""
+    from boostlr.trace.run import trace
+
+    cfg = build_config(
+        overrides=[
+            ("model.preset", "tiny"),
+            ("data.seq_len", "16"),
+            ("train.batch_size", "2"),
+            ("parallel.pp", "2"),
+            ("parallel.tp", "2"),
+            ("parallel.nproc", "4"),
+        ]
+    )
+    one_by_one, side_by_side = trace(cfg, jobs=1), trace(cfg, jobs=2)
+    assert [t.rank for t in side_by_side] == [t.rank for t in one_by_one] == [0, 2]
+    for a, b in zip(one_by_one, side_by_side, strict=True):
+        assert (a.peak_bytes, a.comm_bytes()) == (b.peak_bytes, b.comm_bytes())
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--trace-rank", "0"], "add --trace"),
         (["--trace", "--trace-rank", "2"], "--trace-rank 2 is not a rank of a world of 2"),
+        (["--trace-jobs", "2"], "with --trace"),
+        (["--trace", "--trace-jobs", "0"], "N >= 1"),
     ],
 )
 def test_trace_rank_is_checked(

@@ -126,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
         "each role",
     )
     pl.add_argument(
+        "--trace-jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --trace: ranks traced at once, each a single-threaded process of a few "
+        "hundred MB (default: one per CPU core)",
+    )
+    pl.add_argument(
         "--plot",
         default=None,
         metavar="OUT.png",
@@ -320,6 +328,10 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         raise BoostlrError("--trace traces the config's own layout: drop --search")
     if args.trace_rank is not None and not args.trace:
         raise BoostlrError("--trace-rank picks the ranks --trace traces: add --trace")
+    if args.trace_jobs is not None and (not args.trace or args.trace_jobs < 1):
+        raise BoostlrError(
+            "--trace-jobs N sets how many ranks --trace runs at once: N >= 1, with --trace"
+        )
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)
         if args.json:
@@ -354,7 +366,7 @@ def _trace(cfg, hw, args: argparse.Namespace) -> list[dict]:
 
     if not args.gpus:
         raise BoostlrError("--trace needs --gpus N: the world size to trace")
-    return trace_json(cfg, hw, trace(cfg, args.trace_rank))
+    return trace_json(cfg, hw, trace(cfg, args.trace_rank, args.trace_jobs))
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:

@@ -3,7 +3,8 @@
 Each traced rank runs in a fresh process (``spawn``): a fake process group of the run's world
 size, the run's mesh, ``ParallelModel``'s build under fake tensors, then two training steps
 on a batch of the config's shape (:func:`boostlr.trace.rank.two_steps`). Nothing
-is allocated and nothing is sent, so a paper-size rank fits in a laptop's memory.
+is allocated and nothing is sent, so a paper-size rank fits in a laptop's memory. The
+ranks' processes are independent: they run side by side, one per core by default.
 
 The ranks traced are one per distinct role: every pipeline rank (each holds its own stages)
 at ``dp = tp = 0``, plus the last ``(dp, tp)`` rank of a pipeline rank holding the embedding
@@ -76,10 +77,8 @@ def _child(cfg: RunConfig, rank: int, results: Any) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def trace_rank(cfg: RunConfig, rank: int, timeout_s: float = TIMEOUT_S) -> RankTrace:
-    """Trace one rank in a fresh process; its failure is raised here with its traceback."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+def _start(ctx: Any, cfg: RunConfig, rank: int, results: Any) -> Any:
+    """A traced rank's process, started with one OpenMP thread (its ops are metadata only)."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -90,29 +89,77 @@ def trace_rank(cfg: RunConfig, rank: int, timeout_s: float = TIMEOUT_S) -> RankT
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved
+    return proc
+
+
+def trace_ranks(
+    cfg: RunConfig, ranks: list[int], jobs: int = 1, timeout_s: float = TIMEOUT_S
+) -> list[RankTrace]:
+    """Trace ``ranks``, each in a fresh process, at most ``jobs`` at a time; in rank order.
+
+    A rank that fails, dies or runs past ``timeout_s`` stops the others and is raised here
+    (its traceback, or one line naming it)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    waiting, running, done = list(ranks), {}, {}
     try:
-        _, ok, payload = results.get(timeout=timeout_s)
-    except queue.Empty:
-        proc.kill()
-        raise BoostlrError(
-            f"tracing rank {rank} took over {timeout_s:.0f} s: trace a smaller layout"
-        ) from None
+        while waiting or running:
+            while waiting and len(running) < max(1, jobs):
+                rank = waiting.pop(0)
+                running[rank] = (_start(ctx, cfg, rank, results), time.monotonic())
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                _check_running(running, timeout_s)
+                continue
+            proc, _ = running.pop(rank)
+            proc.join(timeout=30)
+            if not ok:
+                raise RuntimeError(f"tracing rank {rank} failed:\n{payload}")
+            done[rank] = RankTrace(**payload)
     finally:
-        proc.join(timeout=30)
-    if not ok:
-        raise RuntimeError(f"tracing rank {rank} failed:\n{payload}")
-    return RankTrace(**payload)
+        for proc, _ in running.values():
+            proc.kill()
+            proc.join(timeout=30)
+    return [done[r] for r in ranks]
 
 
-def trace(cfg: RunConfig, ranks: list[int] | None = None) -> list[RankTrace]:
+def _check_running(running: dict[int, tuple[Any, float]], timeout_s: float) -> None:
+    """Raise for a traced rank past its time or dead without a result."""
+    for rank, (proc, started) in running.items():
+        if time.monotonic() - started > timeout_s:
+            raise BoostlrError(
+                f"tracing rank {rank} took over {timeout_s:.0f} s: trace a smaller layout"
+            )
+        if not proc.is_alive() and proc.exitcode not in (None, 0):
+            raise BoostlrError(
+                f"tracing rank {rank} died (exit code {proc.exitcode}) before reporting: "
+                "out of host memory? trace fewer ranks at a time (--trace-jobs 1)"
+            )
+
+
+def trace_rank(cfg: RunConfig, rank: int, timeout_s: float = TIMEOUT_S) -> RankTrace:
+    """Trace one rank in a fresh process; its failure is raised here with its traceback."""
+    return trace_ranks(cfg, [rank], 1, timeout_s)[0]
+
+
+def default_jobs() -> int:
+    """Traced ranks run one per core: each is one single-threaded process."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def trace(
+    cfg: RunConfig, ranks: list[int] | None = None, jobs: int | None = None
+) -> list[RankTrace]:
     """One :class:`RankTrace` per role (or per rank of ``ranks``), one fresh process each,
-    one after the other."""
+    ``jobs`` at a time (default: one per core)."""
     cfg = planning_config(cfg)  # the preset's vocabulary when the config leaves it to the data
     world = cfg.parallel.world_size
     for r in ranks or ():
         if not 0 <= r < world:
             raise BoostlrError(f"--trace-rank {r} is not a rank of a world of {world}")
-    return [trace_rank(cfg, r) for r in (sorted(set(ranks)) if ranks else traced_ranks(cfg))]
+    chosen = sorted(set(ranks)) if ranks else traced_ranks(cfg)
+    return trace_ranks(cfg, chosen, jobs or default_jobs())
 
 
 def describe_rank(cfg: RunConfig, rank: int) -> str:
