@@ -11,9 +11,9 @@ module only presents them).
     fixed for the whole curve at the config's, rounded up to a multiple of
     ``256 x train.batch_size`` so that every GPU count, up to pure data parallelism on 256,
     has layouts to choose from.
-(c) **Weak scaling** across the presets 1B -> 30B on a GPU count that doubles with each
-    preset, as in the BOOST paper's setups (1B on 1, 3B on 2, 7B on 4, 13B on 8, 30B on 16:
-    about one GPU per 1.5-2B parameters), with the sequences per GPU per step fixed at the
+(c) **Weak scaling** across the presets 1B -> 40B on the BOOST paper's GPU counts (1B on 1,
+    3B on 2, 7B on 4, 13B on 8, 30B on 16: about one GPU per 1.5-2B parameters; its series
+    ends with 40B on 64), with the sequences per GPU per step fixed at the
     config's (its global batch over its GPUs, rounded up to a multiple of ``batch_size``);
     step time at the fastest fitting layout.
 
@@ -44,7 +44,7 @@ from boostlr.config import RunConfig
 from boostlr.errors import BoostlrError, ConfigError
 
 SCALING_GPUS = tuple(2**i for i in range(9))  # 1 .. 256
-WEAK_SCALING = (("1B", 1), ("3B", 2), ("7B", 4), ("13B", 8), ("30B", 16))
+WEAK_SCALING = (("1B", 1), ("3B", 2), ("7B", 4), ("13B", 8), ("30B", 16), ("40B", 64))
 COLORS = {"megatron": "#7f7f7f", "vanilla": "#d62728", "btp": "#1f77b4"}
 STYLES = {"megatron": "^-", "vanilla": "s--", "btp": "o-"}  # vanilla dashed: it meets btp
 
@@ -227,7 +227,7 @@ def draw(data: dict[str, Any], path: Path) -> None:
     )
     ax_c.set_ylabel("seconds per optimizer step")
     ax_c.set_title(
-        f"(c) weak scaling, GPUs double per preset\n"
+        f"(c) weak scaling, the BOOST paper's GPUs per preset\n"
         f"{wk['sequences_per_gpu']} sequences per GPU per step"
     )
     ax_c.legend(fontsize=8)
