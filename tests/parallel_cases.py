@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig, build_config, resolve_vocab_dp
 from boostlr.models.llama import build_model
-from boostlr.parallel.build import VOCAB_PARAMS
+from boostlr.models.placement import VOCAB_PARAMS
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.sharding import chunk_range
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from boostlr.analysis.comm import vocab_dp
 from boostlr.config import ModelConfig, ParallelConfig
-from boostlr.models.placement import chunk_range, shard_dim, stage_ids, stage_layers
+from boostlr.models.placement import VOCAB_PARAMS, chunk_range, shard_dim, stage_ids, stage_layers
 
 FP32 = 4
 BF16_CACHE = 2  # bytes of a weight's bf16 copy, cast by `local()` for its GEMMs
@@ -35,9 +35,6 @@ def _param_shapes(key: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def param_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Every parameter's global name and shape (tied weights once), from a meta model."""
     return _param_shapes(tuple(sorted(dataclasses.asdict(cfg).items())))
-
-
-VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
 
 def _layer_of(name: str) -> int | None:
@@ -132,7 +129,7 @@ def _rank_params(
             local += n
             if dp == 1 and name == "lm_head.weight":
                 own_grad = n
-            if split_vocab and name in VOCAB:  # rows over dp first, then over tp (dim 0)
+            if split_vocab and name in VOCAB_PARAMS:  # rows over dp first, then over tp (dim 0)
                 rows = chunk_range(shape[0], 0, dp)[1]  # dp rank 0's: the largest
                 if dim == 0:
                     lo, hi = chunk_range(rows, tp_rank, tp)
@@ -140,7 +137,7 @@ def _rank_params(
                 vocab, vocab_local = vocab + rows * math.prod(dims[1:]), vocab_local + n
                 if name == "lm_head.weight":
                     own_grad = rows * math.prod(dims[1:])
-            elif layer is None and name in VOCAB and not cfg.tie_embeddings:
+            elif layer is None and name in VOCAB_PARAMS and not cfg.tie_embeddings:
                 units, largest = [*units, padded], max(largest, n)
             elif layer is None:
                 root, root_local = root + padded, root_local + n

@@ -73,6 +73,8 @@ RULES: dict[str | None, dict[str, int | None]] = {
 }
 
 _TOP = {"embed_tokens.weight": EMBEDDING, "lm_head.weight": HEAD, "norm.weight": FINAL_NORM}
+#: The vocabulary's parameters: their rows may also split over dp (``parallel.vocab_dp``).
+VOCAB_PARAMS = tuple(name for name, kind in _TOP.items() if kind in (EMBEDDING, HEAD))
 _BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
 _HOLDER = {**dict.fromkeys(ATTN_LINEARS, "self_attn"), **dict.fromkeys(MLP_LINEARS, "mlp")}
 _WRITES_RESIDUAL = ("o_proj", "down_proj")

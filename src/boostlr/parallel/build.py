@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from boostlr.config import RunConfig, vocab_over_dp
 from boostlr.models.init import initial_value
 from boostlr.models.llama import LlamaModel
-from boostlr.models.placement import chunk_range, stage_ids, stage_layers
+from boostlr.models.placement import VOCAB_PARAMS, chunk_range, stage_ids, stage_layers
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
 from boostlr.parallel.device import init_draw_counters
@@ -86,9 +86,6 @@ def splits_vocab_over_dp(cfg: RunConfig, comms: MeshComms) -> bool:
     too (as units of their own).
     """
     return comms.dp.size > 1 and vocab_over_dp(cfg) and not cfg.model.tie_embeddings
-
-
-VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def materialize(
