@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="OUT.png",
-        help="also draw step-time breakdown, 1-256 GPU scaling and 1B-30B weak scaling "
+        help="also draw step-time breakdown, 1-256 GPU scaling and 1B-40B weak scaling "
         "(needs matplotlib: the 'plot' extra)",
     )
 
