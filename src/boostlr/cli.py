@@ -120,7 +120,6 @@ def _parser() -> argparse.ArgumentParser:
         "--trace-rank",
         type=int,
         action="append",
-        default=None,
         metavar="RANK",
         help="with --trace: trace only this global rank (repeat for more) instead of one of "
         "each role",
@@ -128,14 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--trace-jobs",
         type=int,
-        default=None,
         metavar="N",
-        help="with --trace: ranks traced at once, each a single-threaded process of a few "
-        "hundred MB (default: one per CPU core)",
+        help="with --trace: ranks traced at once (default: one per CPU core)",
     )
     pl.add_argument(
         "--plot",
-        default=None,
         metavar="OUT.png",
         help="also draw step-time breakdown, 1-256 GPU scaling and 1B-40B weak scaling "
         "(needs matplotlib: the 'plot' extra)",
@@ -324,14 +320,10 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
         require_matplotlib("--plot")
     hw = load_profile(args.hardware)
     cfg = plan.load_config(args.config, parse_overrides(overrides), args.gpus, args.search)
-    if args.search and args.trace:
-        raise BoostlrError("--trace traces the config's own layout: drop --search")
-    if args.trace_rank is not None and not args.trace:
-        raise BoostlrError("--trace-rank picks the ranks --trace traces: add --trace")
-    if args.trace_jobs is not None and (not args.trace or args.trace_jobs < 1):
-        raise BoostlrError(
-            "--trace-jobs N sets how many ranks --trace runs at once: N >= 1, with --trace"
-        )
+    if args.trace or args.trace_rank is not None or args.trace_jobs is not None:
+        from boostlr.trace.run import check_trace_flags
+
+        check_trace_flags(args.trace, args.search, args.gpus, args.trace_rank, args.trace_jobs)
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)
         if args.json:
@@ -341,7 +333,12 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
             print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
     else:
         rows = plan.strategy_rows(cfg, hw)
-        traced = _trace(cfg, hw, args) if args.trace else None
+        traced = None
+        if args.trace:
+            from boostlr.trace.compare import trace_json
+            from boostlr.trace.run import trace
+
+            traced = trace_json(cfg, hw, trace(cfg, args.trace_rank, args.trace_jobs))
         if args.json:
             out = plan_json(rows, hw, cfg)
             if traced is not None:
@@ -358,15 +355,6 @@ def _cmd_plan(args: argparse.Namespace, overrides: list[str]) -> None:
 
         draw(plot_data(cfg, hw, args.gpus if args.search else None), Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
-
-
-def _trace(cfg, hw, args: argparse.Namespace) -> list[dict]:
-    from boostlr.trace.compare import trace_json
-    from boostlr.trace.run import trace
-
-    if not args.gpus:
-        raise BoostlrError("--trace needs --gpus N: the world size to trace")
-    return trace_json(cfg, hw, trace(cfg, args.trace_rank, args.trace_jobs))
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:
