@@ -12,16 +12,18 @@ one. Older checkpoints are deleted by a thread of rank 0 while training goes on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,19 @@ from boostlr.rundir.timeouts import checkpoint_collectives, shard_bytes
 
 _OLD_PREFIX = ".old-"  # a checkpoint replaced by a re-save of its step, deleted in background
 _COPY_BLOCK = 1 << 20
+_T = TypeVar("_T")
+
+
+def _naming_timeouts(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a :class:`CheckpointWriter` method with its checkpoint-group timeout reported as
+    one line naming the group (:func:`checkpoint_collectives`)."""
+
+    @functools.wraps(method)
+    def wrapped(self: CheckpointWriter, *args: Any, **kwargs: Any) -> _T:
+        with checkpoint_collectives(self.timeout_s):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,7 @@ class CheckpointWriter:
         self._cleaner = ThreadPoolExecutor(max_workers=1) if rank == 0 else None
         self.last_path: Path | None = None
 
+    @_naming_timeouts
     def save(
         self,
         step: int,
@@ -98,18 +114,6 @@ class CheckpointWriter:
         extra_files: dict[str, Path],
     ) -> SaveStats:
         """Save ``step``; returns what the save cost (the caller's blocked seconds first)."""
-        with checkpoint_collectives(self.timeout_s):
-            return self._save(step, state, trainer, rng, meta, extra_files)
-
-    def _save(
-        self,
-        step: int,
-        state: dict[str, Any],
-        trainer: dict[str, Any],
-        rng: dict[str, torch.Tensor],
-        meta: dict[str, Any],
-        extra_files: dict[str, Path],
-    ) -> SaveStats:
         started = time.perf_counter()
         self.wait()  # a previous save must be published before the next one starts
         final, tmp = self.root / step_dir_name(step), self.root / f"{TEMP_PREFIX}{step}"
