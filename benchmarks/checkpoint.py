@@ -74,16 +74,11 @@ def rank_entry(cfg_dict: dict, root: str, saves: int, disks: list[str]) -> dict:
     with torch.no_grad():  # moments as a trained model has them: bytes a disk cannot compress
         for moments in optimizer.state.values():
             for name in ("exp_avg", "exp_avg_sq"):
-                local = (
-                    moments[name].to_local()
-                    if hasattr(moments[name], "to_local")
-                    else moments[name]
-                )
-                local.copy_(
-                    torch.randn_like(local).abs_()
-                    if name == "exp_avg_sq"
-                    else torch.randn_like(local)
-                )
+                moment = moments[name]
+                moment = moment.to_local() if hasattr(moment, "to_local") else moment
+                moment.normal_()
+                if name == "exp_avg_sq":
+                    moment.abs_()
     named = model.named_parameters()
     state = {"model": dict(named), "optim": {n: optimizer.state[p] for n, p in named}}
     local_bytes = sum(
