@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import torch
 
 NOISE_FACTOR = 4.0
+# bf16: a layout's error against float64 over the one-device bf16 run's own.
+BF16_FACTOR = 4.0
 # A single-device error that happens to be tiny (every tensor exact by luck) must not make
 # the bound tighter than a few fp32 ulps of the largest gradient element.
 NOISE_FLOOR = 1e-6
@@ -45,6 +47,19 @@ def noise_of(grads: Iterable[tuple[str, torch.Tensor]], exact: dict[str, torch.T
 def layout_bound(single_noise: float) -> float:
     """Allowed error of a layout's gradients against float64."""
     return NOISE_FACTOR * max(single_noise, NOISE_FLOOR)
+
+
+def bf16_layout_bound(single_bf16_noise: float) -> float:
+    """Allowed error against float64 of a layout's bf16-autocast gradients.
+
+    The yardstick is the one-device bf16 run's own error against float64 on the same batch:
+    bf16 rounding differs by CPU (its kernels accumulate in different orders and widths), so a
+    hand-set bound that held on one CPU failed on another. Two roundings of the same
+    quantities in another order differ by about the size of either; the factor leaves room
+    for a layout rounding a few more partial sums (BTP's partials before their all-reduce),
+    while a layout that keeps the residual or a statistic in bf16 shows as a multiple of it.
+    """
+    return BF16_FACTOR * single_bf16_noise
 
 
 def difference_bound(single_noise: float) -> float:

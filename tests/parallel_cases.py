@@ -205,6 +205,7 @@ def compare_bf16_step(rank: int, world: int, cfg: RunConfig) -> dict:
         ref_loss = ref(inputs, targets)
     ref_loss.backward()
     ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())
+    exact = float64_grads(ref, inputs, targets)
     grad_dtypes = {str(full_grad(p).dtype) for _, p in model.named_parameters()}
     errors = [
         relative_error(full_grad(p).float(), ref_grads[name])
@@ -214,6 +215,12 @@ def compare_bf16_step(rank: int, world: int, cfg: RunConfig) -> dict:
         "loss": loss,
         "ref_loss": ref_loss.item(),
         "worst_grad_error": max(errors),
+        # Both runs' errors against the float64 gradients: the bound is the one-device
+        # bf16 run's own (fp32_noise.bf16_layout_bound), so it holds on every CPU.
+        "layout64": max(
+            relative_error(full_grad(p), exact[n]) for n, p in model.named_parameters()
+        ),
+        "single64": max(relative_error(g, exact[n]) for n, g in ref_grads.items()),
         "grad_dtypes": grad_dtypes,
         "param_dtypes": {str(p.dtype) for _, p in model.named_parameters()},
         "metrics": model.step_metrics(),

@@ -9,12 +9,12 @@ layout's current weights first), so no check compares two diverging trajectories
   :func:`fp32_noise.layout_bound` of float64 (the single device's own fp32 error, measured).
 * bfloat16: the same rule with the one-device *bf16* run as the yardstick. At every step the
   one-device bf16 model's own gradient error against float64 is measured, and the layout's
-  may be :data:`BF16_FACTOR` times it (the gradient norm likewise). Both runs round the same
-  quantities to 8 bits (docs/precision.md) in another order, so their errors are of one size;
-  a wrong slice, a missing reduction or a garbled boundary is off by far more. The loss, a
-  mean of fp32 log-softmaxes of bf16 logits, must agree with the one-device bf16 loss to one
-  bf16 rounding (:data:`BF16_LOSS_TOL`). Whether a layout keeps what the contract keeps in
-  fp32 is tested where it shows: tests/test_precision.py.
+  may be :data:`fp32_noise.BF16_FACTOR` times it (the gradient norm likewise). Both runs
+  round the same quantities to 8 bits (docs/precision.md) in another order, so their errors
+  are of one size; a wrong slice, a missing reduction or a garbled boundary is off by far
+  more. The loss, a mean of fp32 log-softmaxes of bf16 logits, must agree with the one-device
+  bf16 loss to one bf16 rounding (:data:`BF16_LOSS_TOL`). Whether a layout keeps what the
+  contract keeps in fp32 is tested where it shows: tests/test_precision.py.
 
 Worlds of 2, 4 and 8 ranks each run their whole share of the matrix in one process group
 (a fresh mesh per configuration): spawning is the expensive part on CI's two cores.
@@ -29,7 +29,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from distributed import run_distributed
-from fp32_noise import layout_bound, relative_error
+from fp32_noise import BF16_FACTOR, bf16_layout_bound, layout_bound, relative_error
 from parallel_cases import _gather_full_weights, full_grad, global_batch, layout_config
 
 from boostlr.analysis.comm import pp_send_bytes
@@ -63,12 +63,6 @@ LAYOUTS = {
 DTYPES = ("float32", "bfloat16")
 STEPS = 2
 LOSS_TOL = 1e-5  # fp32: |loss - loss_ref| / |loss_ref| from identical weights
-# bf16: a layout's error against float64 over the one-device bf16 model's own error (both
-# measured at the same step). Two roundings of the same quantities in another order differ
-# by about the size of either; the factor leaves room for the layout rounding a few more
-# partial sums (BTP's partials before their all-reduce) while a layout that keeps the residual
-# or a statistic in bf16 shows as a multiple of it.
-BF16_FACTOR = 4.0
 # The loss's own error is a sum of many per-token roundings: one sample of it is too noisy a
 # yardstick (two such samples differ by 4x one time in six), so the loss gets bf16's relative
 # precision, one rounding of an 8-bit significand.
@@ -158,7 +152,7 @@ def check(label: str, cfg, report: dict) -> None:
     for s in steps:
         assert s["grad_dtypes"] == {"torch.float32"}, (label, s["grad_dtypes"])
         if bf16:
-            bound = BF16_FACTOR * s["single64"]
+            bound = bf16_layout_bound(s["single64"])
             assert s["layout64"] <= bound, (label, "gradients", s["layout64"], s["single64"])
             assert abs(s["loss"] - s["ref_loss"]) <= BF16_LOSS_TOL * abs(s["ref_loss"]), (label, s)
             assert abs(s["norm"] - s["ref_norm"]) <= BF16_FACTOR * s["single64"] * s["ref_norm"]
