@@ -18,7 +18,7 @@ from boostlr.errors import EXIT_BAD_INPUT, BoostlrError
 
 # pyproject.toml's ``torch>=`` bound; tests/test_torch_floor.py keeps the two equal. It is the
 # oldest release the test suite has passed on (benchmarks/RESULTS.md, "torch floor").
-TORCH_FLOOR = "2.13"
+TORCH_FLOOR = "2.11"
 
 
 class TorchTooOld(BoostlrError):
