@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from boostlr._torch_internals import compiler_config, cpp_compiler_available, has_triton
 from boostlr.errors import ConfigError
 from boostlr.parallel.device import runs_on_host
 
@@ -32,7 +33,7 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     and static shapes give inductor the most room.
     """
     if fn not in _COMPILED:
-        config = torch._dynamo.config
+        config = compiler_config()
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
@@ -42,20 +43,14 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 def check_toolchain(device: torch.device) -> None:
     """Fail before any work when inductor cannot build kernels for ``device``."""
     if not runs_on_host(device):
-        from torch.utils._triton import has_triton
-
         if not has_triton():
             raise ConfigError(
                 "train.compile true needs Triton for CUDA kernels (pip install triton): "
                 "install it or set --train.compile false"
             )
         return
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-    except Exception:  # inductor's InvalidCxxCompiler (a multi-line message), or OSError
+    if not cpp_compiler_available():
         raise ConfigError(
             "train.compile true needs a C++ compiler for inductor's CPU backend and none was "
             "found (g++, or $CXX): install one or set --train.compile false"
-        ) from None
+        )
