@@ -2,11 +2,13 @@
 
 boostlr relies on torch behaviour that older releases lack: FSDP2's ``DefaultAllGather`` /
 ``set_custom_all_gather`` (absent before 2.9), and pipelining that takes FSDP-wrapped stages
-with strided stage inputs (2.9-2.11 fail the pp x dp tests); on 2.12 the first stage of a
-pp x dp x tp step peaks above what the plan allows (tests/test_memory_peak.py fails there,
-passes from 2.13). Without this check an old torch (cluster containers often pin one) dies
-with a traceback inside each rank, or worse, in a collective; with it, one line names the
-installed and the needed version before anything starts.
+(2.9 and 2.10 fail the pp x dp tests, benchmarks/RESULTS.md "torch range"). The floor is the
+oldest release whose parallel core CI runs (``.ci/run``, ``tests/parallel_core.txt``): GPU
+images and clusters pin older torch than the newest, so the floor is as low as the tests
+allow. Without this check an old torch dies with a traceback inside each rank, or worse, in a
+collective; with it, one line names the installed and the needed version before anything
+starts. The private torch symbols that differ between releases live in
+:mod:`boostlr._torch_internals`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from boostlr.errors import EXIT_BAD_INPUT, BoostlrError
 
 # pyproject.toml's ``torch>=`` bound; tests/test_torch_floor.py keeps the two equal. It is the
-# oldest release the test suite has passed on (benchmarks/RESULTS.md, "torch floor").
+# oldest release the parallel core passes on (benchmarks/RESULTS.md, "torch range").
 TORCH_FLOOR = "2.11"
 
 
