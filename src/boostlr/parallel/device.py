@@ -105,6 +105,17 @@ def bind_rank_device(device: torch.device, env: Mapping[str, str] | None = None)
     return bound
 
 
+def bind_thread_device(device: torch.device | None) -> None:
+    """Make this rank's ``device`` current in the calling thread (nothing on a CPU).
+
+    CUDA's current device is per host thread and a new thread starts on device 0: a
+    background thread of the rank (an async checkpoint's writer) that touched CUDA before
+    this would create a context on GPU 0, from every rank of the node.
+    """
+    if device is not None and not runs_on_host(device) and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def check_local_gpus(device: torch.device, ranks: int) -> None:
     """Before boostlr starts ``ranks`` ranks on this node itself: one GPU each is visible."""
     if not runs_on_host(device):
