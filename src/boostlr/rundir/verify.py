@@ -12,12 +12,16 @@ listing stops the resume with one line.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from boostlr.errors import CheckpointError
@@ -51,6 +55,34 @@ def first_bad_file(ckpt: Checkpoint, names: list[str]) -> str | None:
     return None
 
 
+def listing_digest(candidates: list[Checkpoint]) -> bytes:
+    """sha256 of what a rank sees: each candidate's step and its files' sizes and hashes.
+
+    The ranks compare these 32 bytes, not the listings: gathering every rank's listing
+    would move world x listing bytes to each rank.
+    """
+    listing = [(c.step, sorted(c.meta["files"].items())) for c in candidates]
+    return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).digest()
+
+
+def odd_ranks(digests: list[bytes], named: int = 8) -> str:
+    """Which ranks see another listing than most (``""`` when all agree), for one line."""
+    count = Counter(digests)
+    if len(count) == 1:
+        return ""
+    most = max(count, key=lambda d: (count[d], -digests.index(d)))
+    odd = [r for r, d in enumerate(digests) if d != most]
+    shown = ", ".join(map(str, odd[:named])) + (
+        f" and {len(odd) - named} more" if len(odd) > named else ""
+    )
+    who = (
+        f"rank {shown} of {len(digests)} sees"
+        if len(odd) == 1
+        else f"ranks {shown} of {len(digests)} see"
+    )
+    return f"{who} another listing than the other {count[most]}"
+
+
 def verify_timeout(candidates: list[Checkpoint], world: int, floor_s: float) -> float:
     """Seconds the verification group waits: ``floor_s`` plus the largest share's hashing
     time at the slowest assumed rate (:func:`~.timeouts.io_timeout_s`)."""
@@ -82,6 +114,16 @@ class VerifyGroup:
             dist.all_gather_object(out, value, group=self.group)
         return out
 
+    def gather_digest(self, digest: bytes) -> list[bytes]:
+        """Every rank's ``digest`` (all the same length: a fixed-size gather)."""
+        if self.group is None:
+            return [digest]
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        with collective_timeout(VERIFY_GROUP, self.timeout_s):
+            dist.all_gather(out, mine, group=self.group)
+        return [t.numpy().tobytes() for t in out]
+
     def close(self) -> None:
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -107,12 +149,13 @@ def newest_verified(
     Collective over ``group``: every rank hashes its share of each candidate, the verdicts
     are compared; each file is hashed once overall.
     """
-    listing = [(c.step, sorted(c.meta["files"].items())) for c in candidates]
-    if any(other != listing for other in group.gather(listing)):
+    digests = group.gather_digest(listing_digest(candidates))
+    others = odd_ranks(digests)
+    if others:
         root = candidates[0].path.parent if candidates else "the run directory"
         raise CheckpointError(
-            f"--resume: the ranks see different checkpoints under {root}: put the run "
-            "directory on a file system that every rank shares"
+            f"--resume: the ranks see different checkpoints under {root} ({others}): put "
+            "the run directory on a file system that every rank shares"
         )
     skipped = []
     for ckpt in reversed(candidates):
