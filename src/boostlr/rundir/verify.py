@@ -3,11 +3,12 @@
 Hashing a checkpoint of hundreds of gigabytes takes minutes. If one rank did it while the
 others waited in a collective, the others' collective timeout (``parallel.timeout_s``; the
 NCCL watchdog on GPUs) would end the job first. So the files are split into equal-byte
-shares, each rank hashes its own share, and the ranks compare verdicts on a gloo group
-made for this, whose timeout grows with the largest share (:mod:`.timeouts`, the rule
-saves and loads follow too). Every rank reads the same
-listing (the run directory is on a file system every rank sees); a rank that sees another
-listing stops the resume with one line.
+shares, each rank hashes its own share, and the ranks compare verdicts on the checkpoint
+group, set to wait as long as the largest share takes (:mod:`.timeouts`, the rule saves and
+loads follow too); the trainer's saves and loads use the same group afterwards. Every rank
+reads the same listing (the run directory is on a file system every rank sees): the ranks
+compare a sha256 of their listings, and a rank that sees another listing stops the resume
+with one line naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from boostlr.errors import CheckpointError
 from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, sha256_of
-from boostlr.rundir.timeouts import collective_timeout, io_timeout_s
+from boostlr.rundir.timeouts import CheckpointGroup, collective_timeout, io_timeout_s
 
 VERIFY_GROUP = "checkpoint verification (gloo)"
 
@@ -95,15 +95,21 @@ def verify_timeout(candidates: list[Checkpoint], world: int, floor_s: float) -> 
 
 
 class VerifyGroup:
-    """The ranks that verify together: a gloo group whose timeout covers the largest share
-    (``None`` in one process, where nothing waits)."""
+    """The ranks that verify together, on the checkpoint group (:class:`~.timeouts.CheckpointGroup`)
+    set to wait for the largest share (no group in one process, where nothing waits).
 
-    def __init__(self, rank: int, world: int, timeout_s: float):
+    With ``shared`` the group stays open after verification, for the trainer's saves and
+    loads; without, it is destroyed when verification ends.
+    """
+
+    def __init__(
+        self, rank: int, world: int, timeout_s: float, shared: CheckpointGroup | None = None
+    ):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.group = None
-        if world > 1:
-            timeout = timedelta(seconds=timeout_s)
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._owned = shared is None
+        self._shared = CheckpointGroup(world) if shared is None else shared
+        self._shared.wait(timeout_s)
+        self.group = self._shared.group
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (one process: ``[value]``)."""
@@ -125,16 +131,21 @@ class VerifyGroup:
         return [t.numpy().tobytes() for t in out]
 
     def close(self) -> None:
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        if self._owned:
+            self._shared.close()
+        self.group = None
 
 
 @contextmanager
 def verification_group(
-    candidates: list[Checkpoint], rank: int, world: int, floor_s: float
+    candidates: list[Checkpoint],
+    rank: int,
+    world: int,
+    floor_s: float,
+    shared: CheckpointGroup | None = None,
 ) -> Iterator[VerifyGroup]:
-    group = VerifyGroup(rank, world, verify_timeout(candidates, world, floor_s))
+    """A :class:`VerifyGroup` for ``candidates``, on ``shared`` when given (left open)."""
+    group = VerifyGroup(rank, world, verify_timeout(candidates, world, floor_s), shared)
     try:
         yield group
     finally:
