@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,6 +104,17 @@ def bind_rank_device(device: torch.device, env: Mapping[str, str] | None = None)
     bound = torch.device(CUDA, index)
     torch.cuda.set_device(bound)
     return bound
+
+
+def bind_thread_device(device: torch.device | None) -> None:
+    """Make this rank's ``device`` current in the calling thread (nothing on a CPU).
+
+    CUDA's current device is per host thread and a new thread starts on device 0: a
+    background thread of the rank (an async checkpoint's writer) that touched CUDA before
+    this would create a context on GPU 0, from every rank of the node.
+    """
+    if device is not None and not runs_on_host(device) and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def check_local_gpus(device: torch.device, ranks: int) -> None:
@@ -270,9 +282,11 @@ class EventTimer(WallTimer):
     """Seconds per key of regions on the device's stream, timed by a reused pool of events.
 
     The host only queues work, so each region records a start and an end event on the
-    current stream. Pairs whose end has passed are read (``query``, never a wait) and go back
-    to the pool once ``harvest_at`` are pending, so the events alive are those of the work
-    still in flight, not two per collective of the whole window; :meth:`take` waits for the
+    current stream. Once ``harvest_at`` pairs are pending, each region reads the oldest
+    pairs whose end has passed (``query``, never a wait) and stops at the first that has
+    not: regions end in stream order, so the newer ones have not either. A region then
+    costs one query plus the pairs it reads (each read once), however far the device lags,
+    and the pool holds the events of the work still in flight; :meth:`take` waits for the
     rest (a host sync, for log steps).
     """
 
@@ -281,7 +295,7 @@ class EventTimer(WallTimer):
         self._make = make_event or (lambda: torch.cuda.Event(enable_timing=True))
         self.harvest_at = harvest_at
         self._free: list[Any] = []
-        self._pending: list[tuple[str, Any, Any]] = []
+        self._pending: deque[tuple[str, Any, Any]] = deque()
         self.created = 0  # events made so far: the pool's size
 
     def _event(self) -> Any:
@@ -301,22 +315,22 @@ class EventTimer(WallTimer):
             end.record()
             self._pending.append((key, start, end))
             if len(self._pending) >= self.harvest_at:
-                self._harvest(wait=False)
+                self._harvest_finished()
 
-    def _harvest(self, wait: bool) -> None:
-        still = []
-        for key, start, end in self._pending:
-            if wait:
-                end.synchronize()
-            elif not end.query():
-                still.append((key, start, end))
-                continue
-            self._add(key, start.elapsed_time(end) / 1e3)
-            self._free += [start, end]
-        self._pending = still
+    def _harvest_finished(self) -> None:
+        """Read the oldest pairs while their end has passed."""
+        while self._pending and self._pending[0][2].query():
+            self._read(*self._pending.popleft())
+
+    def _read(self, key: str, start: Any, end: Any) -> None:
+        self._add(key, start.elapsed_time(end) / 1e3)
+        self._free += [start, end]
 
     def take(self) -> dict[str, float]:
-        self._harvest(wait=True)
+        while self._pending:
+            key, start, end = self._pending.popleft()
+            end.synchronize()
+            self._read(key, start, end)
         return super().take()
 
 

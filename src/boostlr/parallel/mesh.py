@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from boostlr.config import ParallelConfig
 from boostlr.parallel.collectives import CommLedger, GroupComm
-from boostlr.parallel.device import HOST_BACKEND, backend_for, group_options
+from boostlr.parallel.device import backend_for, group_options
+from boostlr.rundir.timeouts import CheckpointGroup, remade_group
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -33,13 +34,12 @@ class MeshComms:
     ckpt_timeout_s: float | None = None
 
     def with_ckpt_timeout(self, timeout_s: float) -> MeshComms:
-        """These comms with a new checkpoint group that waits ``timeout_s`` (collective over
-        every rank; the old group is destroyed). A group's timeout is fixed when it is
-        made, so the group is made again rather than changed."""
-        if self.ckpt_group is None:
+        """These comms with the checkpoint group waiting ``timeout_s`` (collective over every
+        rank when it changes). A group's timeout is fixed when it is made, so the group is
+        made again, the old one destroyed first (:func:`~boostlr.rundir.timeouts.remade_group`)."""
+        if self.ckpt_group is None or timeout_s == self.ckpt_timeout_s:
             return self
-        group = dist.new_group(backend=HOST_BACKEND, timeout=timedelta(seconds=timeout_s))
-        dist.destroy_process_group(self.ckpt_group)
+        group = remade_group(self.ckpt_group, timeout_s)
         return replace(self, ckpt_group=group, ckpt_timeout_s=timeout_s)
 
     @property
@@ -57,12 +57,15 @@ def single_process_comms() -> MeshComms:
     return MeshComms(None, *(GroupComm(None, name, ledger) for name in ("tp", "dp", "pp")), ledger)
 
 
-def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
+def build_mesh(
+    p: ParallelConfig, device: torch.device, ckpt: CheckpointGroup | None = None
+) -> MeshComms:
     """A named ``(pp, dp, tp)`` mesh over the default group (which must already exist).
 
     Ranks are laid out tp-fastest, so a tensor-parallel group sits on one node's GPUs. Every
     group gets ``parallel.timeout_s``: left alone, torch gives subgroups a 30-minute timeout
-    whatever the default group has (docs/design.md §5).
+    whatever the default group has (docs/design.md §5). The checkpoint group is taken over
+    from ``ckpt`` (the one resume verified on) when that holds one, else made here.
     """
     timeout = timedelta(seconds=p.timeout_s)
     backend = backend_for(device)
@@ -72,5 +75,9 @@ def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
     )
     ledger = CommLedger()
     comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
-    ckpt_group = dist.new_group(backend=HOST_BACKEND, timeout=timeout)
-    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group, p.timeout_s)
+    ckpt_group, ckpt_timeout_s = ckpt.take() if ckpt is not None else (None, None)
+    if ckpt_group is None:
+        ckpt_group, ckpt_timeout_s = remade_group(None, p.timeout_s), p.timeout_s
+    return MeshComms(
+        mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group, ckpt_timeout_s
+    )

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from boostlr.faults import SLOW_IO_ENV, throttle_io
+from boostlr.parallel.device import bind_thread_device
 from boostlr.rundir.streams import HashingStream
 
 
@@ -93,22 +94,34 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
     """DCP's file writer (fsync on, one file per rank) that hashes what it writes.
 
     Its ``stage`` passes the state through: the caller stages it (:func:`stage_state`)
-    before :func:`dcp.async_save`, which would otherwise copy it a second time.
+    before :func:`dcp.async_save`, which would otherwise copy it a second time. It turns
+    DCP's copy-ahead off there, as torch's own ``stage`` does: the state is already in host
+    memory, and copying ahead calls ``torch.cuda.current_stream()`` and ``synchronize()``
+    from DCP's writer thread. That thread makes ``device`` (the rank's) current before
+    anything else, so no CUDA call of it lands on another GPU.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: torch.device | None = None):
         super().__init__(str(path), sync_files=True)
         self.fs = HashingFileSystem()
+        self.device = device
 
     @property
     def digests(self) -> dict[str, dict[str, Any]]:
         return dict(self.fs.digests)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        self.per_thread_copy_ahead = 0
         return state_dict
+
+    def storage_meta(self) -> StorageMeta | None:
+        # DCP's first call on the writer, in the thread that saves.
+        bind_thread_device(self.device)
+        return super().storage_meta()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         # Runs where the bytes are written (DCP's background thread for an async save).
+        bind_thread_device(self.device)
         with _without_zip_crc():
             return super().write_data(plan, planner)
 

@@ -21,6 +21,7 @@ from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.fsutil import write_text_atomic
 from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, set_aside
 from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
+from boostlr.rundir.timeouts import CheckpointGroup
 from boostlr.rundir.verify import newest_verified, verification_group
 
 Saved = dict[str, dict[str, Any]]
@@ -118,6 +119,7 @@ def prepare_run_dir(
     required: bool = True,
     rank: int = 0,
     world: int = 1,
+    group: CheckpointGroup | None = None,
 ) -> str | None:
     """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
 
@@ -126,17 +128,19 @@ def prepare_run_dir(
     With ``world > 1`` every rank of the job calls it: the ranks hash equal shares of the
     checkpoint and wait for each other only on a gloo group sized to that work
     (:mod:`boostlr.rundir.verify`); rank 0 alone writes, and every rank raises its error.
+    That group is ``group`` when given, left open for the trainer's saves and loads.
     """
     candidates = list_checkpoints(checkpoints_dir(run_dir)) if resume else []
-    with verification_group(candidates, rank, world, cfg.parallel.timeout_s) as group:
-        ckpt, corrupted = newest_verified(candidates, group) if resume else (None, [])
+    floor_s = cfg.parallel.timeout_s
+    with verification_group(candidates, rank, world, floor_s, group) as verifying:
+        ckpt, corrupted = newest_verified(candidates, verifying) if resume else (None, [])
         error: BoostlrError | None = None
         if rank == 0:
             try:
                 ckpt = _write_run_dir(cfg, run_dir, resume, dataset, required, ckpt, corrupted)
             except BoostlrError as exc:
                 error = exc
-        first = group.gather(None if error is None else str(error))[0]
+        first = verifying.gather(None if error is None else str(error))[0]
         if error is not None:
             raise error
         if first is not None:

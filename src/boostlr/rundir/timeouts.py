@@ -12,16 +12,61 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from boostlr.parallel.device import HOST_BACKEND
 
 CKPT_GROUP = "checkpoint (gloo)"
 
 # The slowest rate a rank is assumed to write, read or hash a checkpoint at (a busy network
 # file system shared by a node's ranks).
 MIN_IO_BYTES_PER_S = 20 * 2**20
+
+
+def remade_group(old: dist.ProcessGroup | None, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of every rank that waits ``timeout_s``, replacing ``old`` (collective
+    over every rank). A group's timeout is fixed when it is made, so it is made again;
+    ``old`` is destroyed first: each gloo group holds a connection to every other rank, and
+    at thousands of ranks two of them at once would double every rank's sockets."""
+    if old is not None:
+        dist.destroy_process_group(old)
+    return dist.new_group(backend=HOST_BACKEND, timeout=timedelta(seconds=timeout_s))
+
+
+class CheckpointGroup:
+    """The one gloo group of every rank for checkpoint work, and the timeout it waits.
+
+    Verification makes it, sized to the largest share to hash (:meth:`wait`); the trainer's
+    saves and loads then take it over (:meth:`take`) and size it to the shards. ``group``
+    stays ``None`` in one process, where nothing waits.
+    """
+
+    def __init__(self, world: int):
+        self.world = world
+        self.group: dist.ProcessGroup | None = None
+        self.timeout_s: float | None = None
+
+    def wait(self, timeout_s: float) -> None:
+        """Make the group wait ``timeout_s`` (collective over every rank when it changes)."""
+        if self.world > 1 and timeout_s != self.timeout_s:
+            old, self.group = self.group, None
+            self.group = remade_group(old, timeout_s)
+        self.timeout_s = timeout_s
+
+    def take(self) -> tuple[dist.ProcessGroup | None, float | None]:
+        """The group and its timeout, handed over: this holder no longer destroys it."""
+        taken = self.group, self.timeout_s
+        self.group = self.timeout_s = None
+        return taken
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+        self.group = self.timeout_s = None
 
 
 def io_timeout_s(floor_s: float, largest_bytes: int) -> float:

@@ -3,26 +3,30 @@
 Hashing a checkpoint of hundreds of gigabytes takes minutes. If one rank did it while the
 others waited in a collective, the others' collective timeout (``parallel.timeout_s``; the
 NCCL watchdog on GPUs) would end the job first. So the files are split into equal-byte
-shares, each rank hashes its own share, and the ranks compare verdicts on a gloo group
-made for this, whose timeout grows with the largest share (:mod:`.timeouts`, the rule
-saves and loads follow too). Every rank reads the same
-listing (the run directory is on a file system every rank sees); a rank that sees another
-listing stops the resume with one line.
+shares, each rank hashes its own share, and the ranks compare verdicts on the checkpoint
+group, set to wait as long as the largest share takes (:mod:`.timeouts`, the rule saves and
+loads follow too); the trainer's saves and loads use the same group afterwards. Every rank
+reads the same listing (the run directory is on a file system every rank sees): the ranks
+compare a sha256 of their listings, and a rank that sees another listing stops the resume
+with one line naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from boostlr.errors import CheckpointError
 from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, sha256_of
-from boostlr.rundir.timeouts import collective_timeout, io_timeout_s
+from boostlr.rundir.timeouts import CheckpointGroup, collective_timeout, io_timeout_s
 
 VERIFY_GROUP = "checkpoint verification (gloo)"
 
@@ -51,6 +55,34 @@ def first_bad_file(ckpt: Checkpoint, names: list[str]) -> str | None:
     return None
 
 
+def listing_digest(candidates: list[Checkpoint]) -> bytes:
+    """sha256 of what a rank sees: each candidate's step and its files' sizes and hashes.
+
+    The ranks compare these 32 bytes, not the listings: gathering every rank's listing
+    would move world x listing bytes to each rank.
+    """
+    listing = [(c.step, sorted(c.meta["files"].items())) for c in candidates]
+    return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).digest()
+
+
+def odd_ranks(digests: list[bytes], named: int = 8) -> str:
+    """Which ranks see another listing than most (``""`` when all agree), for one line."""
+    count = Counter(digests)
+    if len(count) == 1:
+        return ""
+    most = max(count, key=lambda d: (count[d], -digests.index(d)))
+    odd = [r for r, d in enumerate(digests) if d != most]
+    shown = ", ".join(map(str, odd[:named])) + (
+        f" and {len(odd) - named} more" if len(odd) > named else ""
+    )
+    who = (
+        f"rank {shown} of {len(digests)} sees"
+        if len(odd) == 1
+        else f"ranks {shown} of {len(digests)} see"
+    )
+    return f"{who} another listing than the other {count[most]}"
+
+
 def verify_timeout(candidates: list[Checkpoint], world: int, floor_s: float) -> float:
     """Seconds the verification group waits: ``floor_s`` plus the largest share's hashing
     time at the slowest assumed rate (:func:`~.timeouts.io_timeout_s`)."""
@@ -63,15 +95,21 @@ def verify_timeout(candidates: list[Checkpoint], world: int, floor_s: float) -> 
 
 
 class VerifyGroup:
-    """The ranks that verify together: a gloo group whose timeout covers the largest share
-    (``None`` in one process, where nothing waits)."""
+    """The ranks that verify together, on the checkpoint group (:class:`~.timeouts.CheckpointGroup`)
+    set to wait for the largest share (no group in one process, where nothing waits).
 
-    def __init__(self, rank: int, world: int, timeout_s: float):
+    With ``shared`` the group stays open after verification, for the trainer's saves and
+    loads; without, it is destroyed when verification ends.
+    """
+
+    def __init__(
+        self, rank: int, world: int, timeout_s: float, shared: CheckpointGroup | None = None
+    ):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.group = None
-        if world > 1:
-            timeout = timedelta(seconds=timeout_s)
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._owned = shared is None
+        self._shared = CheckpointGroup(world) if shared is None else shared
+        self._shared.wait(timeout_s)
+        self.group = self._shared.group
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (one process: ``[value]``)."""
@@ -82,17 +120,32 @@ class VerifyGroup:
             dist.all_gather_object(out, value, group=self.group)
         return out
 
+    def gather_digest(self, digest: bytes) -> list[bytes]:
+        """Every rank's ``digest`` (all the same length: a fixed-size gather)."""
+        if self.group is None:
+            return [digest]
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        with collective_timeout(VERIFY_GROUP, self.timeout_s):
+            dist.all_gather(out, mine, group=self.group)
+        return [t.numpy().tobytes() for t in out]
+
     def close(self) -> None:
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        if self._owned:
+            self._shared.close()
+        self.group = None
 
 
 @contextmanager
 def verification_group(
-    candidates: list[Checkpoint], rank: int, world: int, floor_s: float
+    candidates: list[Checkpoint],
+    rank: int,
+    world: int,
+    floor_s: float,
+    shared: CheckpointGroup | None = None,
 ) -> Iterator[VerifyGroup]:
-    group = VerifyGroup(rank, world, verify_timeout(candidates, world, floor_s))
+    """A :class:`VerifyGroup` for ``candidates``, on ``shared`` when given (left open)."""
+    group = VerifyGroup(rank, world, verify_timeout(candidates, world, floor_s), shared)
     try:
         yield group
     finally:
@@ -107,12 +160,13 @@ def newest_verified(
     Collective over ``group``: every rank hashes its share of each candidate, the verdicts
     are compared; each file is hashed once overall.
     """
-    listing = [(c.step, sorted(c.meta["files"].items())) for c in candidates]
-    if any(other != listing for other in group.gather(listing)):
+    digests = group.gather_digest(listing_digest(candidates))
+    others = odd_ranks(digests)
+    if others:
         root = candidates[0].path.parent if candidates else "the run directory"
         raise CheckpointError(
-            f"--resume: the ranks see different checkpoints under {root}: put the run "
-            "directory on a file system that every rank shares"
+            f"--resume: the ranks see different checkpoints under {root} ({others}): put "
+            "the run directory on a file system that every rank shares"
         )
     skipped = []
     for ckpt in reversed(candidates):

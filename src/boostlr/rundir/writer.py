@@ -31,7 +31,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from boostlr.faults import crash_point
 from boostlr.fsutil import fsync_dir, fsync_file
-from boostlr.parallel.device import pin_staging
+from boostlr.parallel.device import bind_thread_device, pin_staging
 from boostlr.rundir import dcp_io
 from boostlr.rundir.checkpoint import FORMAT_VERSION, list_checkpoints, sha256_of
 from boostlr.rundir.layout import META_FILE, TEMP_PREFIX, TRAINER_FILE, rng_file, step_dir_name
@@ -95,7 +95,12 @@ class CheckpointWriter:
         self.root, self.rank, self.group, self.keep = root, rank, group, keep
         self.timeout_s = timeout_s
         self.async_save = async_save
-        self._executor = ThreadPoolExecutor(max_workers=1) if async_save else None
+        self.device = device
+        self._executor = (
+            ThreadPoolExecutor(1, initializer=bind_thread_device, initargs=(device,))
+            if async_save
+            else None
+        )
         self._pending: Future | None = None
         # Pinned staging buffers are slow to allocate: one stager, reused by every save.
         pin = async_save and pin_staging(device)
@@ -130,7 +135,7 @@ class CheckpointWriter:
             rng_bytes = safetensors_bytes({k: v.contiguous().cpu() for k, v in rng.items()})
             own[rng_file(self.rank)] = _write_hashed(tmp / rng_file(self.rank), rng_bytes)
             crash_point("ckpt_before_shards", self.rank, step)
-            writer = dcp_io.HashingFileSystemWriter(tmp)
+            writer = dcp_io.HashingFileSystemWriter(tmp, self.device)
             if self.async_save:
                 assert self._executor is not None
                 stager = self._stager or dcp_io.make_stager(pin=False)

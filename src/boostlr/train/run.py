@@ -45,7 +45,7 @@ from boostlr.rundir.checkpoint import read_checkpoint
 from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
 from boostlr.rundir.payload import sharded
 from boostlr.rundir.resume import prepare_run_dir
-from boostlr.rundir.timeouts import CollectiveTimeout, checkpoint_timeout_s
+from boostlr.rundir.timeouts import CheckpointGroup, CollectiveTimeout, checkpoint_timeout_s
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import run_steps
@@ -149,16 +149,24 @@ def _rank_main(
         p = cfg.parallel
         device = init_distributed(device, p.world_size, p.timeout_s, p.pin_cores)
     rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    ckpt_group = CheckpointGroup(world)  # verification's, then the saves' (one gloo group)
     try:
         restarted = restart_attempt() > 0
         if resume is not None or restarted:
             dataset = datasets[0] if datasets else open_datasets(cfg)[0]
             again = bool(resume) or restarted
-            world = dist.get_world_size() if distributed else 1
             ckpt_path = prepare_run_dir(
-                cfg, run_dir, again, dataset, required=not restarted, rank=rank, world=world
+                cfg,
+                run_dir,
+                again,
+                dataset,
+                required=not restarted,
+                rank=rank,
+                world=world,
+                group=ckpt_group,
             )
-        return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets)
+        return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets, ckpt_group)
     except (BoostlrError, TrainingDiverged, Exception) as exc:
         # Under torchrun/srun a timed-out collective or a lost peer is one line too, not a
         # traceback from every rank; other errors go to the CLI (one line or a crash).
@@ -209,8 +217,10 @@ def _train_rank(
     console: bool,
     device: torch.device,
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
+    ckpt_group: CheckpointGroup | None = None,
 ) -> TrainResult:
-    """Build this rank's part of the model, restore a checkpoint, run the loop."""
+    """Build this rank's part of the model, restore a checkpoint, run the loop (saves and
+    loads on ``ckpt_group``'s group when verification left one open)."""
     torch.manual_seed(cfg.train.seed)
     allocator = "device"
     if runs_on_host(device):
@@ -219,7 +229,7 @@ def _train_rank(
     rank = dist.get_rank() if dist.is_initialized() else 0
     phase_file = memory_phase_file(run_dir, rank, cfg.train.memory_phases)
     with MemoryPhases(device, phase_file, allocator) as phases:
-        model = ParallelModel.build(cfg, device, phases.mark)
+        model = ParallelModel.build(cfg, device, phases.mark, ckpt_group)
         train_ds, val_ds = datasets or open_datasets(cfg)
         dp, t, seq = model.comms.dp, cfg.train, cfg.data.seq_len
         loader = BatchLoader(
