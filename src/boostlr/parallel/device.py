@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity
 
+from boostlr._torch_internals import gloo_options, set_group_timeout
 from boostlr.errors import ConfigError
 from boostlr.models.philox import HOST_CHUNK_COUNTERS
 
@@ -190,11 +191,8 @@ def process_group_kwargs(device: torch.device) -> dict[str, Any]:
 
 def group_options(backend: str, timeout: timedelta) -> dist.ProcessGroup.Options:
     """Backend options carrying ``timeout`` (the only way to give a mesh dim a timeout)."""
-    if backend == GPU_BACKEND:
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
+    options = dist.ProcessGroupNCCL.Options() if backend == GPU_BACKEND else gloo_options()
+    set_group_timeout(options, timeout)
     return options
 
 

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from boostlr._torch_internals import torch_save_without_crc
 from boostlr.faults import SLOW_IO_ENV, throttle_io
 from boostlr.parallel.device import bind_thread_device
 from boostlr.rundir.streams import HashingStream
@@ -137,14 +138,8 @@ def _without_zip_crc() -> Iterator[None]:
     while a save writes (one save at a time); a ``torch.save`` elsewhere in the process in
     that window also skips its CRC, which changes nothing for ``torch.load``.
     """
-    from torch.utils.serialization import config
-
-    old = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
+    with torch_save_without_crc():
         yield
-    finally:
-        config.save.compute_crc32 = old
 
 
 def make_stager(pin: bool) -> DefaultStager:
