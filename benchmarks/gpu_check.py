@@ -26,7 +26,8 @@ first. Each step runs as its own process group, killed whole on a timeout
 3. The run's first metrics row: ``build_s``, tokens/s, MFU (measured under strict
    determinism); its per-phase memory against ``boostlr plan``'s prediction.
 4. Every collective of a pp2 x dp2 x tp2 step, each rank traced in a fake world on the
-   device's tensors, compared across ranks (``gpu_collectives.py``).
+   device's tensors, paired across ranks: equal element counts and dtypes
+   (``gpu_collectives.py``).
 5. A copy of the run cut back to its middle checkpoint, continued with ``--resume``: every
    loss after the cut equals the uninterrupted run's bit for bit. Both runs are under
    ``torch.use_deterministic_algorithms(True)`` (no ``warn_only``) and

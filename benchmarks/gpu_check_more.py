@@ -30,9 +30,12 @@ def check_collectives(args: argparse.Namespace, checks: Checks) -> None:
         return
     report = json.loads(path.read_text())
     calls, problems = report["calls"], report["problems"]
-    checks.facts["collectives"] = {"calls": calls, "problems": problems[:20]}
+    notes = report.get("notes", [])
+    checks.facts["collectives"] = {"calls": calls, "problems": problems[:20], "notes": notes[:20]}
     detail = f"{sum(calls.values())} collectives on {len(calls)} ranks ({args.device} tensors), "
     detail += f"{len(problems)} mismatches" + (f": {problems[:2]}" if problems else "")
+    if notes:
+        detail += f"; {len(notes)} shape-only differences at equal counts (notes)"
     checks.add(name, step.rc == 0 and not problems and bool(calls), detail, step.seconds)
 
 

@@ -2,13 +2,13 @@
 
 NCCL pairs the k-th collective one rank issues on a group with the k-th every other member
 issues there (and a rank's k-th send to a peer with that peer's k-th receive from it); when
-their shapes or dtypes differ, a real run hangs or reads garbage, and one GPU never shows it.
-So each rank of the layout is traced as ``boostlr plan --trace`` traces one (the trace
+their element counts or dtypes differ, a real run hangs or reads garbage, and one GPU never
+shows it. So each rank of the layout is traced as ``boostlr plan --trace`` traces one (the trace
 package: a fake process group of the whole world, fake tensors, the trainer's build and two
 steps), on the device under test (fake CUDA tensors take CUDA's code paths: autocast's,
 attention's, FSDP's), while a dispatch mode records every ``c10d`` and functional-collective
 operator with its group's global ranks, its peer and its tensors' shapes and dtypes; then
-:func:`compare` pairs the calls up across ranks.
+:func:`compare` pairs the calls up across ranks (counts and dtypes: what NCCL pairs).
 
     python benchmarks/gpu_collectives.py --device cuda --out DIR   # gpu_check runs this
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +44,8 @@ class Call:
     dtypes: tuple[str, ...]
 
     def signature(self) -> tuple:
-        return (self.op, self.shapes, self.dtypes)
+        """What NCCL pairs: the operator, each tensor's element count and dtype."""
+        return (self.op, tuple(math.prod(s) for s in self.shapes), self.dtypes)
 
 
 def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -90,13 +92,16 @@ class CollectiveRecorder(TorchDispatchMode):
         return Call(op, members, peer, shapes, tuple(str(t.dtype) for t in tensors))
 
 
-def compare(ranks: dict[int, list[Call]]) -> list[str]:
+def compare(ranks: dict[int, list[Call]], notes: list[str] | None = None) -> list[str]:
     """Mismatches between the traced ranks' calls, one line each (none: all pair up).
 
     Group collectives pair up by group (its global ranks) and call order: every traced
-    member must issue as many, each with the same operator, shapes and dtypes. A send pairs
-    with the peer's receive from the sender on the same group, in order: same shapes and
-    dtypes."""
+    member must issue as many, each with the same operator and, tensor by tensor, the same
+    element count and dtype. A send pairs with the peer's receive from the sender on the
+    same group, in order: same counts and dtypes. Shapes that differ at equal counts (torch
+    2.11's pipeline stages greet each other with a 0-d send into a 1-element receive) are
+    what NCCL never sees: they go to ``notes``, not the mismatches."""
+    notes = [] if notes is None else notes
     streams: dict[tuple, dict[int, list[Call]]] = {}
     sent: dict[tuple, list[Call]] = {}
     received: dict[tuple, list[Call]] = {}
@@ -110,26 +115,20 @@ def compare(ranks: dict[int, list[Call]]) -> list[str]:
                 streams.setdefault(c.members, {}).setdefault(rank, []).append(c)
     problems = []
     for members, per_rank in sorted(streams.items(), key=str):
-        traced = (
-            [m for m in members if m in ranks] if all(isinstance(m, int) for m in members) else []
-        )
-        for m in traced:
-            per_rank.setdefault(m, [])
+        for m in members:
+            if isinstance(m, int) and m in ranks:
+                per_rank.setdefault(m, [])
         first, *others = sorted(per_rank)
         for other in others:
             a, b = per_rank[first], per_rank[other]
+            where = f"group {members}"
             if len(a) != len(b):
                 problems.append(
-                    f"group {members}: rank {first} issued {len(a)} collectives, "
-                    f"rank {other} {len(b)}"
+                    f"{where}: rank {first} issued {len(a)} collectives, rank {other} {len(b)}"
                 )
-            for k, (x, y) in enumerate(zip(a, b, strict=False)):
-                if x.signature() != y.signature():
-                    problems.append(
-                        f"group {members}, collective {k}: rank {first} {x.signature()} vs "
-                        f"rank {other} {y.signature()}"
-                    )
-                    break
+            problems += _pairs(
+                zip(a, b, strict=False), where, f"rank {first}", f"rank {other}", notes
+            )
     for key in sorted(set(sent) | set(received), key=str):
         members, src, dst = key
         if src not in ranks or dst not in ranks:
@@ -137,14 +136,26 @@ def compare(ranks: dict[int, list[Call]]) -> list[str]:
         s, r = sent.get(key, []), received.get(key, [])
         if len(s) != len(r):
             problems.append(f"{src} -> {dst}: {len(s)} sends, {len(r)} receives")
-        for k, (x, y) in enumerate(zip(s, r, strict=False)):
-            if (x.shapes, x.dtypes) != (y.shapes, y.dtypes):
-                problems.append(
-                    f"{src} -> {dst}, message {k}: sent {x.shapes} {x.dtypes}, "
-                    f"received into {y.shapes} {y.dtypes}"
-                )
-                break
+        # A receive pairs with a send: the operators differ by design, counts and dtypes not.
+        pairs = (
+            (x, Call(x.op, y.members, y.peer, y.shapes, y.dtypes))
+            for x, y in zip(s, r, strict=False)
+        )
+        problems += _pairs(pairs, f"{src} -> {dst}", "sent", "received into", notes)
     return problems
+
+
+def _pairs(pairs, where: str, a_name: str, b_name: str, notes: list[str]) -> list[str]:
+    """The first pair whose signatures differ (a mismatch); shape-only differences noted."""
+    for k, (x, y) in enumerate(pairs):
+        if x.signature() != y.signature():
+            return [
+                f"{where}, call {k}: {a_name} {x.op} {x.shapes} {x.dtypes}, "
+                f"{b_name} {y.op} {y.shapes} {y.dtypes}"
+            ]
+        if x.shapes != y.shapes:
+            notes.append(f"{where}, call {k}: shapes {x.shapes} and {y.shapes}, counts equal")
+    return []
 
 
 def layout_config(device: str, preset: str = "tiny"):
@@ -197,12 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = layout_config(args.device)
     device = torch.device(args.device)
     ranks = {r: trace_rank_calls(cfg, r, device) for r in range(cfg.parallel.world_size)}
-    problems = compare(ranks)
+    notes: list[str] = []
+    problems = compare(ranks, notes)
     report = {
         "layout": LAYOUT,
         "device": args.device,
         "calls": {r: len(c) for r, c in ranks.items()},
         "problems": problems,
+        "notes": notes,
         "ranks": {r: [asdict(c) for c in calls] for r, calls in ranks.items()},
     }
     out = Path(args.out)
