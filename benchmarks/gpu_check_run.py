@@ -4,9 +4,10 @@ and steps run as process groups that a timeout kills whole.
 A check is ``ok`` (true), ``FAIL`` (false) or skipped (``None``, its detail saying why). A
 step stopped because the budget ran out is *skipped (budget)*: it says nothing about the code.
 A step that outlives its own cap while budget is left is a failure (a hang). Each step runs in
-a session of its own (``start_new_session``) and on a timeout, and again once it ends, its
-whole process group is killed: a hung torchrun rank or a compile worker cannot hold the GPU
-into the next check.
+a session of its own (``start_new_session``); on a timeout its process group and those of all
+its descendants (torchrun puts each rank in a session of its own) are killed, and once it ends
+whatever it left in its group: a hung rank or a compile worker cannot hold the GPU into the
+next check.
 """
 
 from __future__ import annotations
@@ -61,24 +62,59 @@ class Step:
     hung: bool = False  # stopped at its own cap with budget left
 
 
-def kill_group(pgid: int, grace_s: float = GRACE_S, reap: Callable[[], Any] = lambda: None) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``.
-
-    ``reap`` (the leader's ``Popen.poll``) keeps a dead leader from lingering as a zombie
-    member of the group while we wait."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(pgid, sig)
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int, grace_s: float = GRACE_S, reap: Callable[[], Any] = lambda: None) -> None:
+    """SIGTERM the process group of ``pid`` and those of all its descendants, then SIGKILL
+    what is left after ``grace_s``.
+
+    The descendants' groups matter: torchrun starts each rank in a session of its own, so a
+    rank is not in torchrun's group. ``reap`` (the leader's ``Popen.poll``) keeps a dead
+    leader from lingering as a zombie member of its group while we wait."""
+    below = descendants(pid)
+    groups = {pid}
+    for p in below:
+        try:
+            groups.add(os.getpgid(p))
         except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            reap()
+            pass
+    groups.discard(os.getpgrp())  # never our own
+
+    def signal_all(sig: int) -> bool:
+        """Send ``sig`` (0: only ask) to every group and process; whether any was there."""
+        there = False
+        for send, target in [(os.killpg, g) for g in groups] + [(os.kill, p) for p in below]:
             try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
+                send(target, sig)
+                there = True
+            except (ProcessLookupError, PermissionError):
+                pass
+        return there
+
+    if not signal_all(signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        reap()
+        if not signal_all(0):
+            return
+        time.sleep(0.05)
+    signal_all(signal.SIGKILL)
 
 
 def run_group(
@@ -86,8 +122,8 @@ def run_group(
 ) -> tuple[int, float]:
     """Run ``cmd`` in a new session with its output in ``log``; (exit code, seconds).
 
-    On a timeout (exit code 124) the whole process group is killed; once the command ends,
-    so is anything it left behind in its group."""
+    On a timeout (exit code 124) its whole process tree is killed, group by group; once the
+    command ends, so is anything it left behind in its group."""
     started = time.monotonic()
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
@@ -100,7 +136,7 @@ def run_group(
         except subprocess.TimeoutExpired:
             rc = 124
         finally:  # also on Ctrl-C: the group goes down with us
-            kill_group(proc.pid, GRACE_S if proc.poll() is None else 0.5, proc.poll)
+            kill_tree(proc.pid, GRACE_S if proc.poll() is None else 0.5, proc.poll)
             proc.wait()
     return rc, time.monotonic() - started
 

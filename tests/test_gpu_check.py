@@ -134,13 +134,16 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_a_timed_out_step_kills_its_whole_process_group(tmp_path: Path) -> None:
-    """A child that started a grandchild and hangs: on the timeout, both are gone."""
+def test_a_timed_out_step_kills_its_whole_process_tree(tmp_path: Path) -> None:
+    """A child that started two grandchildren, one in a session of its own (as torchrun starts
+    its ranks), and hangs: on the timeout, all three are gone."""
     pids = tmp_path / "pids"
     child = textwrap.dedent(f"""
         import os, subprocess, sys, time
-        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{grandchild.pid}}")
+        hang = [sys.executable, "-c", "import time; time.sleep(300)"]
+        plain = subprocess.Popen(hang)
+        rank = subprocess.Popen(hang, start_new_session=True)
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{plain.pid}} {{rank.pid}}")
         time.sleep(300)
     """)
     started = time.monotonic()
