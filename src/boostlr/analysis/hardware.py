@@ -20,8 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
+from boostlr._toml_write import dumps
 from boostlr.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -114,7 +113,7 @@ class HardwareProfile:
         data["inter_node"]["latency_us"] = self.inter.latency * 1e6
         if self.extra:
             data["measurements"] = self.extra
-        return tomli_w.dumps(data)
+        return dumps(data)
 
 
 def _req(data: dict[str, Any], key: str, where: str) -> Any:

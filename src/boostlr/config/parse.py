@@ -14,8 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
+from boostlr._toml_write import dumps
 from boostlr.config.schema import SECTIONS, ModelConfig, RunConfig
 from boostlr.config.validate import resolve_layout, resolve_model, validate, validate_model
 from boostlr.errors import ConfigError
@@ -189,7 +188,7 @@ def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
 
 
 def dump_toml(cfg: RunConfig) -> str:
-    return tomli_w.dumps(to_dict(cfg))
+    return dumps(to_dict(cfg))
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:

@@ -39,7 +39,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import schedules as _schedules
-from torch.distributed.pipelining._utils import InferenceMode
+
+try:  # torch >= 2.13: a schedule's stages vote on static shapes before the first step
+    from torch.distributed.pipelining._utils import InferenceMode
+except ImportError:  # older: no vote; a stage with declared shapes infers nothing
+    InferenceMode = None
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -144,6 +148,9 @@ def _local_vote(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool
 @contextmanager
 def _local_pipeline_vote() -> Iterator[None]:
     schedule = _schedules._PipelineSchedule
+    if InferenceMode is None:
+        yield
+        return
     saved = schedule._warmup_p2p
     schedule._warmup_p2p = _local_vote  # type: ignore[method-assign]
     try:

@@ -70,10 +70,10 @@ def coordinates(cfg: RunConfig, rank: int) -> tuple[int, int, int]:
     return rank // (p.dp * p.tp), (rank // p.tp) % p.dp, rank % p.tp
 
 
-def mesh_on_default_group(cfg: RunConfig) -> MeshComms:
+def mesh_on_default_group(cfg: RunConfig, device_type: str = "cpu") -> MeshComms:
     """The run's ``(pp, dp, tp)`` mesh on the default group's backend (a fake world's)."""
     p = cfg.parallel
-    mesh = init_device_mesh("cpu", (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS)
     ledger = CommLedger()
     comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
     return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger)
@@ -99,20 +99,25 @@ def two_steps(
     counter,
     rank: int,
     batch=None,
+    device: torch.device | None = None,
 ) -> RankTrace:
     """Build this rank's model and run two steps; ``counter`` must already be counting.
 
     ``batch(step, micro)`` gives ``(inputs, targets)``; by default random token ids of the
-    config's shape (their values change nothing a trace measures).
+    config's shape (their values change nothing a trace measures). ``device`` (default the
+    CPU) is where the model and batch live: fake CUDA tensors take CUDA's code paths.
     """
-    device = torch.device("cpu")
+    device = device or torch.device("cpu")
     t = cfg.train
     pp_stage, dp_rank, tp_rank = coordinates(cfg, rank)
     if batch is None:
         vocab, shape = cfg.model.vocab_size, (t.batch_size, cfg.data.seq_len)
 
         def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+            return (
+                torch.randint(0, vocab, shape, device=device),
+                torch.randint(0, vocab, shape, device=device),
+            )
 
     counter.phase("build")
     # A fake tensor has no values: drawing them (and the draw's data-dependent split) is moot.
@@ -121,7 +126,7 @@ def two_steps(
     model = ParallelModel(cfg, comms, stages, device)
     optimizer = build_optimizer(model.parameters(), cfg.train)
     bf16 = t.dtype == "bfloat16"
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     steps: list[list[dict]] = []
     for step in (1, 2):
         comms.ledger.reset()
