@@ -151,7 +151,7 @@ def test_a_diverging_tp_run_exits_1_with_each_ranks_message(
     err = capfd.readouterr().err  # the ranks write to the inherited stderr descriptor
     assert code == 1, err
     lines = [x for x in err.splitlines() if x.startswith("boostlr: rank")]
-    assert lines and all("training diverged" in x and "is not finite" in x for x in lines)
+    assert lines and all("training diverged" in x and "is not finite" in x for x in lines), err
     assert "training failed on rank(s)" in err.strip().splitlines()[-1]
     assert "Traceback" not in err
 
