@@ -63,9 +63,9 @@ class DeviceTotals(MemTracker):
         DTensor's sharding propagation runs an op on ``FakeTensor`` copies of its arguments
         at their global shapes, under a ``FakeTensorMode`` of its own, to learn the output's
         metadata: no memory is allocated. torch 2.11 and 2.12's ``MemTracker`` counts those
-        tensors as device memory (the first fused AdamW step of a stage rebuilds every
-        parameter, gradient and moment that way: the rank's whole optimizer, counted twice
-        over at its peak); torch 2.13 skips them the same way (``_fake_mode_on_entry``).
+        tensors as device memory: the first fused AdamW step makes one of every parameter,
+        gradient and moment at its unsharded shape, more than the rank holds. torch 2.13
+        skips them the same way (``_fake_mode_on_entry``, pytorch/pytorch#183970).
         """
         if active_fake_mode() is self._fake_mode_at_entry:
             return super().__torch_dispatch__(func, types, args, kwargs)
