@@ -12,6 +12,7 @@ the plan's prediction is held against that, as it models tensors, not the alloca
     python benchmarks/memory.py --preset 1B --arch cola --layouts 2x2x2
     python benchmarks/memory.py --preset 130M --layouts 1x1x1 2x2x1 1x2x2 2x2x2 --steps 2
     python benchmarks/memory.py --activations --preset 350M --tp 2 --seq-len 256
+    python benchmarks/memory.py --preset 350M --seq-len 64 --steps 2 --max-tensor-ratio 1.4
 
 ``--activations`` measures, for arch x strategy x act_ckpt at one tp degree, the
 forward/backward peak at two batch sizes; their difference over the batch difference is the
@@ -220,6 +221,26 @@ def print_layout(label: str, result: dict) -> None:
         if r["held"]
     )
     print(f"largest rank's peak / floor: {worst[0]:.2f} (rank {worst[1]})")
+    tensors = tensor_ratio(ranks)
+    if tensors is not None:
+        print(f"largest rank's allocated peak / floor: {tensors[0]:.2f} (rank {tensors[1]})")
+
+
+def tensor_ratio(ranks: dict[int, dict]) -> tuple[float, int] | None:
+    """The largest rank's allocated peak over its allocated floor, and that rank.
+
+    The allocated floor is the allocator's bytes at start-up plus the rank's own tensors.
+    Unlike the resident set this ratio does not move with the machine's load (the resident
+    set keeps what the allocator freed, and how much depends on thread timing); ``None``
+    without allocator counters.
+    """
+    ratios = []
+    for rank, r in ranks.items():
+        peaks = [p["allocated_peak_mb"] for p in r["phases"].values() if "allocated_peak_mb" in p]
+        if not peaks or not r["held"] or "runtime_allocated_mb" not in r:
+            continue
+        ratios.append((max(peaks) / (r["runtime_allocated_mb"] + sum(r["held"].values())), rank))
+    return max(ratios) if ratios else None
 
 
 def activations(args: argparse.Namespace) -> None:
@@ -288,6 +309,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=0, help="model.vocab_size (0: the tokenizer's)")
     ap.add_argument("--activations", action="store_true")
     ap.add_argument("--tp", type=int, default=2, help="tp degree of --activations")
+    ap.add_argument(
+        "--max-tensor-ratio",
+        type=float,
+        default=0.0,
+        help="exit 1 if a layout's allocated peak / allocated floor exceeds this (0: no check)",
+    )
     args, extra = ap.parse_known_args()
     print(f"machine: {machine()}; date {time.strftime('%Y-%m-%d')}")
     if args.activations:
@@ -300,6 +327,10 @@ def main() -> None:
         print_layout(f"{args.preset} {args.arch} pp x dp x tp = {text} {' '.join(extra)}", result)
         if result["ranks"] and args.dtype == "float32":
             print_vs_plan(result, predicted_mb(args, layout, extra), layout)
+        tensors = tensor_ratio(result["ranks"])
+        if args.max_tensor_ratio and (tensors is None or tensors[0] > args.max_tensor_ratio):
+            failed = "no allocator counters" if tensors is None else f"{tensors[0]:.2f}"
+            sys.exit(f"{text}: allocated peak / floor {failed} > {args.max_tensor_ratio}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import pytest
 import torch
 from distributed import run_distributed
 from test_train import tiny_run_config
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from boostlr.analysis.costmodel import memory_breakdown, state_bytes
@@ -44,11 +46,30 @@ LAYOUT = {
 
 
 class DeviceTotals(MemTracker):
-    """``MemTracker`` counting bytes per device only.
+    """``MemTracker`` counting bytes per device only, and only real tensors.
 
     Its per-module statistics assume each module runs once per tracked region; a pipeline
     runs every stage once per micro-batch, so those hooks are switched off.
     """
+
+    def __enter__(self) -> DeviceTotals:
+        self._fake_mode_at_entry = active_fake_mode()
+        super().__enter__()
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        """Leave uncounted what runs under a fake mode entered inside the tracked region.
+
+        DTensor's sharding propagation runs an op on ``FakeTensor`` copies of its arguments
+        at their global shapes, under a ``FakeTensorMode`` of its own, to learn the output's
+        metadata: no memory is allocated. torch 2.11 and 2.12's ``MemTracker`` counts those
+        tensors as device memory: the first fused AdamW step makes one of every parameter,
+        gradient and moment at its unsharded shape, more than the rank holds. torch 2.13
+        skips them the same way (``_fake_mode_on_entry``, pytorch/pytorch#183970).
+        """
+        if active_fake_mode() is self._fake_mode_at_entry:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
 
     def _pre_fw_hook(self, *args) -> None:
         pass
@@ -113,3 +134,15 @@ def test_peak_tensor_memory_within_floor_plus_model_transients(
 
 
 STATE_AND_RESERVED = ("params", "grads", "optimizer", "reserved")
+
+
+def test_tracker_counts_real_tensors_not_fake_ones() -> None:
+    """What DTensor's sharding propagation makes under its own fake mode is not memory."""
+    with DeviceTotals() as tracker:
+        real = torch.ones(1000)
+        with FakeTensorMode():
+            fake = torch.empty(1 << 20)
+            (fake * 2).sum()
+        del real
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert peak == 1000 * 4

@@ -38,6 +38,7 @@ from boostlr.parallel.tensor_parallel import (
 )
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+META = torch.device("meta")
 
 
 def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:
@@ -177,8 +178,8 @@ class Pipeline:
                     sid,
                     self.num_stages,
                     device,
-                    input_args=self._example_inputs(sid, device),
-                    output_args=self._example_outputs(sid, part, device),
+                    input_args=self._example_inputs(sid),
+                    output_args=self._example_outputs(sid),
                     group=pp.group,
                 )
             )
@@ -195,18 +196,23 @@ class Pipeline:
         self.microbatches = p.pp_microbatches
         self.has_last = any(part.model.last for part in stages)
 
-    def _example_inputs(self, sid: int, device: torch.device) -> tuple[Tensor, ...]:
+    # A stage's example inputs and outputs are meta tensors: torch reads only their shapes,
+    # dtypes and strides (its receive buffers are allocated on the stage's device), but
+    # torch 2.11 and 2.12 keep the example tensors themselves for the stage's lifetime
+    # (``inputs_meta``, ``_outputs_meta``): real ones would hold a micro-batch's boundary
+    # activations (the stage's input and output) through every step.
+    def _example_inputs(self, sid: int) -> tuple[Tensor, ...]:
         if sid == 0:
-            return (torch.zeros(self.micro, self.seq_len, dtype=torch.long, device=device),)
+            return (torch.zeros(self.micro, self.seq_len, dtype=torch.long, device=META),)
         # Received activations need gradients: the stage sends their grads back.
-        return boundary_buffers(self.cfg, self.micro, self.tp, device, requires_grad=True)
+        return boundary_buffers(self.cfg, self.micro, self.tp, META, requires_grad=True)
 
-    def _example_outputs(self, sid: int, part: TensorParallelModel, device) -> tuple[Tensor, ...]:
+    def _example_outputs(self, sid: int) -> tuple[Tensor, ...]:
         if sid < self.num_stages - 1:  # requires_grad: the next stage sends their grads
-            return boundary_buffers(self.cfg, self.micro, self.tp, device, requires_grad=True)
+            return boundary_buffers(self.cfg, self.micro, self.tp, META, requires_grad=True)
         # The last stage's forward ends in its micro-batch's mean loss (it stays on the rank:
         # the schedule's loss function takes it, nothing receives it).
-        return (torch.zeros((), dtype=torch.float32, device=device),)
+        return (torch.zeros((), dtype=torch.float32, device=META),)
 
     def _loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
         """The schedule's loss: the last stage's output already is the micro-batch's loss.
