@@ -206,3 +206,70 @@ def test_the_run_directory_readers_import_nothing_from_the_trainer() -> None:
             d for d in reached if d == "boostlr.train" or d.startswith("boostlr.train.")
         )
         assert not trainer, f"{reader} imports {trainer}"
+
+
+# Modules allowed to name private torch symbols: the one home, and the trace package's fake
+# world, which declares its own (it traces, it does not train).
+PRIVATE_TORCH_HOMES = {"boostlr._torch_internals", "boostlr.trace.fake_world"}
+
+
+def private_torch_uses(source: str) -> list[str]:
+    """Private torch names a module's source reaches: ``torch._C...``, ``from
+    torch.x._y import ...``, ``from torch.x import _y``, or ``<torch module>._attr``."""
+    tree = ast.parse(source)
+    torch_names = {"torch"}
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "torch"
+        ):
+            parts = node.module.split(".")
+            if any(p.startswith("_") for p in parts):
+                found.append(node.module)
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"{node.module}.{alias.name}")
+                torch_names.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    if any(p.startswith("_") for p in alias.name.split(".")):
+                        found.append(alias.name)
+                    torch_names.add((alias.asname or alias.name).split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            if node.attr.startswith("__"):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in torch_names:
+                found.append(f"{ast.unparse(node)}")
+    return found
+
+
+def test_the_private_torch_rule_finds_what_it_forbids() -> None:
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        "from torch.distributed.pipelining import schedules as s\n"
+        "from torch.distributed.fsdp._fully_shard import x\n"
+        "a = torch._C._current_graph_task_id()\nb = dist.ProcessGroupGloo._Options()\n"
+        "c = s._wait_batch_p2p\nd = torch.float32\ne = self._private\n"
+    )
+    found = private_torch_uses(source)
+    assert "torch.distributed.fsdp._fully_shard" in found
+    assert any("_current_graph_task_id" in f for f in found)
+    assert any("_Options" in f for f in found)
+    assert any("_wait_batch_p2p" in f for f in found)
+    assert not any("float32" in f or "_private" in f for f in found)
+
+
+def test_private_torch_symbols_only_in_torch_internals() -> None:
+    offenders = {
+        name: uses
+        for name, path in modules().items()
+        if name not in PRIVATE_TORCH_HOMES and (uses := private_torch_uses(path.read_text()))
+    }
+    assert not offenders, offenders

@@ -66,6 +66,9 @@ def test_stage_backward_method_is_what_the_stage_calls() -> None:
     assert f"self.{ti.STAGE_BACKWARD_METHOD}(" in source
     for key in ("stage_output", "output_grads", "input_values"):
         assert f'"{key}"' in source, key
+    from boostlr.parallel.pipeline import ShardedBackwardStage
+
+    assert ti.STAGE_BACKWARD_METHOD in vars(ShardedBackwardStage)  # the override's name
 
 
 def test_in_backward_tells_the_autograd_engine_apart() -> None:

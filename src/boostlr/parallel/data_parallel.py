@@ -22,11 +22,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
 
+from boostlr._torch_internals import DefaultAllGather, DefaultReduceScatter, in_backward
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.device import fsdp_in_place_collectives
 from boostlr.parallel.mesh import MeshComms
@@ -35,7 +32,7 @@ from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 def _phase(comm: GroupComm) -> str:
     """``bwd`` inside the autograd engine (FSDP's pre-backward re-gather, gradient reduction)."""
-    return "bwd" if torch._C._current_graph_task_id() != -1 else comm.ledger.forward_phase
+    return "bwd" if in_backward() else comm.ledger.forward_phase
 
 
 class _TimedWork(dist.Work):
@@ -171,7 +168,7 @@ class _RecordedAllGather(DefaultAllGather):
         """
         gathered = self.gathered() if self.gathered is not None else None
         self.gathered = None
-        if gathered is not None and torch._C._current_graph_task_id() == -1:
+        if gathered is not None and not in_backward():
             release_storage(gathered)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):

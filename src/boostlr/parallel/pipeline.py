@@ -24,9 +24,8 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.pipelining import schedules as _schedules
-from torch.distributed.pipelining._backward import stage_backward
 
+from boostlr._torch_internals import stage_backward, wrapped_p2p_waits
 from boostlr.config import RunConfig
 from boostlr.models.placement import stage_ids
 from boostlr.parallel.collectives import GroupComm
@@ -107,21 +106,24 @@ def record_sends(part: TensorParallelModel, comm: GroupComm) -> None:
 def timed_p2p_waits(comm: GroupComm, device: torch.device) -> Iterator[None]:
     """Time every point-to-point wait of the schedules into the ledger, as group ``pp``.
 
-    torch's schedules issue sends/receives asynchronously and block in one module-level
-    helper, ``_wait_batch_p2p``; it is swapped for a timed one for the duration of a step
-    (waiting for a receive includes waiting for the neighbouring stage: the bubble).
+    torch's schedules issue sends/receives asynchronously and block in one helper
+    (:func:`~boostlr._torch_internals.wrapped_p2p_waits`); it is wrapped with a timed one for
+    the duration of a step (waiting for a receive includes waiting for the neighbouring
+    stage: the bubble).
     """
-    inner = _schedules._wait_batch_p2p
 
-    def timed_wait(work: list[dist.Work]) -> None:
-        with torch.profiler.record_function("pp.p2p_wait"), comm.ledger.timed(comm.name, device):
-            inner(work)
+    def timing(inner: Callable[[list[dist.Work]], None]) -> Callable[[list[dist.Work]], None]:
+        def timed_wait(work: list[dist.Work]) -> None:
+            with (
+                torch.profiler.record_function("pp.p2p_wait"),
+                comm.ledger.timed(comm.name, device),
+            ):
+                inner(work)
 
-    _schedules._wait_batch_p2p = timed_wait
-    try:
+        return timed_wait
+
+    with wrapped_p2p_waits(timing):
         yield
-    finally:
-        _schedules._wait_batch_p2p = inner
 
 
 class ShardedBackwardStage(PipelineStage):
@@ -132,7 +134,9 @@ class ShardedBackwardStage(PipelineStage):
     stage twice over, unsharded. Here each micro-batch's backward reduce-scatters its
     gradients (FSDP accumulates them into the sharded ``.grad``) and frees the gathered
     parameters, as FSDP does without a pipeline. The sum, and so every gradient, is the
-    same; the price is one reduce-scatter (and one re-gather) per micro-batch.
+    same; the price is one reduce-scatter (and one re-gather) per micro-batch. The method
+    overridden is torch's private per-micro-batch backward
+    (``_torch_internals.STAGE_BACKWARD_METHOD``, pinned by its canary).
     """
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
