@@ -159,3 +159,29 @@ def test_train_with_nproc_in_a_one_task_allocation_stops_naming_srun(
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("boostlr: error: SLURM started 1 task")
     assert "srun --ntasks 2" in lines[0]
+
+
+def test_max_restarts_under_srun_is_named_as_unused(small_dataset, tmp_path) -> None:
+    """srun started the (one) rank: ``--parallel.max_restarts`` cannot restart it, and the
+    run says so on stderr instead of ignoring it without a word; it trains all the same."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
+    env |= {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "OMP_NUM_THREADS": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cmd = [
+        sys.executable, "-m", "boostlr.cli", "train", "--run-dir", str(tmp_path / "run"),
+        "--data.path", str(small_dataset), "--model.preset", "tiny", "--data.seq_len", "32",
+        "--train.steps", "1", "--parallel.device", "cpu", "--parallel.max_restarts", "2",
+        "--quiet",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""  # --quiet
+    notes = [x for x in out.stderr.splitlines() if "max_restarts" in x]
+    assert len(notes) == 1 and "parallel.max_restarts 2 is not used" in notes[0], out.stderr

@@ -3,11 +3,13 @@
 A new user (or a job log read the next morning) sees the model, its size, the layout and
 device, the data and the run directory up front, and what the ``mem … / floor …`` of the
 step lines means, instead of inferring them from the config. Printed once, by the process
-that starts the run (rank 0 under torchrun/srun); ``--quiet`` prints nothing.
+that starts the run (rank 0 under torchrun/srun); ``--quiet`` prints nothing but a note that
+an option given is not used (``parallel.max_restarts`` under a launcher), on stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -43,3 +45,33 @@ def startup_lines(
         f"{t.steps} steps, run dir {run_dir}",
         MEM_LEGEND,
     ]
+
+
+def restart_note(cfg: RunConfig, joined: bool) -> str | None:
+    """``parallel.max_restarts`` restarts only ranks boostlr starts itself: say so when a
+    launcher started them instead (it would otherwise be ignored without a word)."""
+    k = cfg.parallel.max_restarts
+    if not (joined and k):
+        return None
+    return (
+        f"boostlr: note: parallel.max_restarts {k} is not used: the launcher started the ranks "
+        "(torchrun: --max-restarts; srun: resubmit or rerun the step with --resume, "
+        "docs/cluster.md#one-node)"
+    )
+
+
+def announce(
+    cfg: RunConfig,
+    run_dir: Path,
+    data: Path,
+    device: torch.device,
+    resume: bool,
+    console: bool,
+    joined: bool,
+) -> None:
+    """Print the start-up lines (``console``) and any note about unused options (stderr)."""
+    if console:
+        print("\n".join(startup_lines(cfg, run_dir, data, device, resume)), flush=True)
+    note = restart_note(cfg, joined)
+    if note:
+        print(note, file=sys.stderr, flush=True)
