@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,25 @@ def test_console_script_prepare(tmp_path: Path) -> None:
         timeout=300,
     )
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_train_says_what_it_trains_and_what_mem_floor_means(
+    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the first step: arch, size, device, layout, data, run dir, and the legend of
+    the step lines' ``mem … / floor …``; ``--quiet`` prints none of it."""
+    run = tmp_path / "run"
+    args = [a for a in tiny_args(small_dataset, run) if a != "--quiet"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    first, data, legend = lines[:3]
+    assert first.startswith("training cola rank ") and "(tiny preset, " in first
+    assert "M parameters) on cpu, pp1 x dp1 x tp1 (1 rank), float32" in first
+    assert data.startswith(f"data {small_dataset} (vocabulary ") and f"run dir {run}" in data
+    assert "2 steps" in data and "64 tokens a step" in data
+    assert legend.startswith("step lines: mem = rank 0's peak memory in MB") and "floor =" in legend
+    step_lines = [x for x in lines if re.match(r"step +\d+  loss ", x)]
+    assert step_lines and lines.index(step_lines[0]) > 2 and " / floor " in step_lines[0]
+    code, out, _ = run_cli(tiny_args(small_dataset, tmp_path / "quiet"), capsys)
+    assert code == 0 and out == ""

@@ -236,6 +236,28 @@ def test_search_fits_the_papers_7b_btp_layout_in_40_gb(capsys: pytest.CaptureFix
     assert tp4 and tp4[0]["layout"]["grad_accum"] == 4 and tp4[0]["layout"]["dp"] == 1
 
 
+def test_the_btp_speed_up_column_says_what_it_divides_by(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Plain plan: by the btp row; --search: by the first (fastest) btp layout listed, or a
+    dash when none is listed."""
+    paper = ["--hardware", "a100-40gb", "--model.preset", "7B", "--model.arch", "cola"]
+    paper += ["--data.seq_len", "4096", "--train.dtype", "bfloat16"]
+    paper += ["--train.batch_size", "1", "--train.global_batch", "4"]
+    for extra, says in [
+        ([], "the step s of the btp row,"),
+        (["--gpus", "4", "--search", "--top", "20"], "the step s of the first btp row (row "),
+        (["--gpus", "4", "--search", "--top", "1", "--parallel.tp_strategy", "vanilla"], None),
+    ]:
+        code, out, _ = _plan(paper + extra, capsys)
+        text = " ".join(out.split())
+        assert code == 0 and "btp speed-up over row" in text
+        if says is not None:
+            assert f"btp speed-up over row: the row's step s / {says}" in text, text[-400:]
+        elif "│ btp " not in out:
+            assert "no btp row listed to divide by" in text
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -135,7 +135,8 @@ def test_cli_eval_json_and_errors(
     assert set(record) == {"loss", "ppl", "bits_per_byte", "tokens", "bytes"}
     assert record["tokens"] == 100 and record["ppl"] == pytest.approx(math.exp(record["loss"]))
     for args, message in [
-        (["eval", str(tmp_path / "nope")], "not a checkpoint"),
+        (["eval", str(tmp_path / "nope")], f"{tmp_path / 'nope'} does not exist"),
+        (["eval", str(run / "checkpoints")], "not a checkpoint"),
         (["eval", str(run), "--model.dim", "32"], "does not take --model.dim"),
         (["eval", str(run), "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["eval", str(run), "--data.path", str(text_dataset)], "with another tokenizer"),
@@ -143,3 +144,42 @@ def test_cli_eval_json_and_errors(
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_an_export_without_data_path_evaluates_on_matching_data_or_says_so_first(
+    small_dataset: Path,
+    text_dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An export holds no dataset. A freshly prepared default corpus would have a tokenizer
+    of its own, so none is prepared: the prepared default corpus of the export's vocabulary
+    is used when it has the export's tokenizer, and otherwise one line says what to pass."""
+    import shutil
+
+    from boostlr.data.prepare import default_dataset_dir
+
+    run = tmp_path / "run"
+    _tiny_run(small_dataset, run)
+    export = export_checkpoint(run, tmp_path / "export")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BOOSTLR_CACHE", str(cache))
+    capsys.readouterr()
+    assert main(["eval", str(export), "--data.seq_len", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is an export and holds no dataset" in err[0], err
+    assert "is not prepared" in err[0] and "--tokenizer" in err[0]
+    assert not cache.exists() or not any(cache.iterdir())  # nothing prepared on the way
+
+    default = default_dataset_dir(vocab_size=512)  # the export's vocabulary
+    shutil.copytree(text_dataset, default)  # prepared, but with another tokenizer
+    assert main(["eval", str(export), "--data.seq_len", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has another tokenizer" in err[0], err
+
+    shutil.rmtree(default)
+    shutil.copytree(small_dataset, default)  # the run's own data, as the default corpus
+    by_export = run_eval(export, "val", overrides=[("data.seq_len", "32")], progress=False)
+    by_run = run_eval(run, "val", progress=False)
+    assert by_export.tokens == by_run.tokens and by_export.loss == pytest.approx(by_run.loss)

@@ -127,3 +127,61 @@ def test_under_torchrun_the_slurm_variables_are_left_alone(monkeypatch) -> None:
     _slurm_env(monkeypatch, SLURM_JOB_NODELIST="n[1-4]", RANK="0", WORLD_SIZE="2")
     adopt_slurm_env()
     assert launch.os.environ["RANK"] == "0" and "MASTER_ADDR" not in launch.os.environ
+
+
+def test_a_world_mismatch_under_slurm_names_srun_and_the_tasks() -> None:
+    """``--parallel.nproc 8`` typed into a batch script of one task: the error says that
+    under SLURM the ranks are srun's tasks, not "the launcher started 1 ranks"."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}
+    text = launch.world_mismatch(1, 8, slurm)
+    assert "SLURM started 1 task (SLURM_NTASKS=1)" in text and "needs 8 ranks" in text
+    assert "srun --ntasks 8" in text and "--parallel.nproc starts none" in text
+    for env in ({}, {**slurm, "TORCHELASTIC_RUN_ID": "x"}):  # no SLURM; torchrun inside it
+        text = launch.world_mismatch(2, 4, env)
+        assert text.startswith("the launcher started 2 ranks") and "srun" not in text
+
+
+def test_train_with_nproc_in_a_one_task_allocation_stops_naming_srun(
+    small_dataset, tmp_path
+) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
+    env |= {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "boostlr.cli", "train", "--run-dir", str(tmp_path / "run"),
+        "--data.path", str(small_dataset), "--model.preset", "tiny", "--data.seq_len", "32",
+        "--parallel.nproc", "2", "--parallel.dp", "2", "--parallel.device", "cpu", "--quiet",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("boostlr: error: SLURM started 1 task")
+    assert "srun --ntasks 2" in lines[0]
+
+
+def test_max_restarts_under_srun_is_named_as_unused(small_dataset, tmp_path) -> None:
+    """srun started the (one) rank: ``--parallel.max_restarts`` cannot restart it, and the
+    run says so on stderr instead of ignoring it without a word; it trains all the same."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
+    env |= {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "OMP_NUM_THREADS": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cmd = [
+        sys.executable, "-m", "boostlr.cli", "train", "--run-dir", str(tmp_path / "run"),
+        "--data.path", str(small_dataset), "--model.preset", "tiny", "--data.seq_len", "32",
+        "--train.steps", "1", "--parallel.device", "cpu", "--parallel.max_restarts", "2",
+        "--quiet",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""  # --quiet
+    notes = [x for x in out.stderr.splitlines() if "max_restarts" in x]
+    assert len(notes) == 1 and "parallel.max_restarts 2 is not used" in notes[0], out.stderr

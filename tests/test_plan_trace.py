@@ -32,6 +32,9 @@ LAYOUTS = {  # (pp, dp, tp, extra overrides)
     "pp2": (2, 1, 1, {}),
     # bf16 autocast (its weight-cast cache) and FSDP's mixed precision, two micro-batches
     "dp2xtp2-bf16": (1, 2, 2, {"train.dtype": "bfloat16", "train.grad_accum": 2}),
+    # more micro-batches than a trace runs: the real rank runs all 4, the trace 2 (+ repeats)
+    "tp2-accum4": (1, 1, 2, {"train.grad_accum": 4}),
+    "pp2xdp2-accum3": (2, 2, 1, {"train.grad_accum": 3}),
 }
 
 
@@ -126,6 +129,18 @@ def test_plans_bytes_per_block_are_the_traced_ones(name: str) -> None:
         assert planned[layers] == pytest.approx(traced[layers], rel=0.1), name
     per_block = (traced[4] - traced[2]) / 2
     assert (planned[4] - planned[2]) / 2 == pytest.approx(per_block, rel=0.01), name
+
+
+@pytest.mark.parametrize(("pp", "dp", "tp"), [(1, 1, 2), (2, 1, 1)])
+def test_a_trace_running_two_micro_batches_reports_the_whole_step(pp, dp, tp) -> None:
+    """A step of 5 micro-batches traced with 2 (the rest repeated in the ledger) reports
+    what running all 5 reports: the same peaks per phase and the same collectives."""
+    cfg = _cfg(pp, dp, tp, {"train.grad_accum": 5})
+    whole, capped = trace_here(cfg, 0, micro_limit=None), trace_here(cfg, 0)
+    assert (whole.micro_run, capped.micro_run) == (5, 2)
+    assert capped.records == whole.records and whole.records
+    assert capped.peaks == whole.peaks and capped.held_after == whole.held_after
+    assert capped.steps_equal and whole.steps_equal
 
 
 def test_traced_ranks_cover_every_role() -> None:

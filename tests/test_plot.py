@@ -97,3 +97,48 @@ def test_plot_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "x.png").exists()
+
+
+def _pixels_near(pixels, rgb: tuple[float, float, float]) -> int:
+    """Pixels of the image within a small distance of colour ``rgb`` (0..1)."""
+    import numpy as np
+
+    diff = np.abs(pixels[..., :3] - np.array(rgb)).max(axis=-1)
+    return int((diff < 0.12).sum())
+
+
+def _same_twice(tmp_path: Path) -> list[Path]:
+    import shutil
+
+    first = _fake_run(tmp_path, "cola", 2, 1.0)
+    return [first, shutil.copytree(first, tmp_path / "again")]
+
+
+@pytest.mark.parametrize("y", ["loss", "tokens_per_s"])
+def test_identical_runs_stay_visible_in_the_image(tmp_path: Path, y: str) -> None:
+    """A rerun logs the same numbers: its curve must not hide the first one's. In the PNG,
+    the first run's colour (C0) covers a good part of what the second one's (C1) does, not
+    just its legend line (drawn over, it covers under a tenth)."""
+    out = tmp_path / f"same-{y}.png"
+    assert main(["plot", *map(str, _same_twice(tmp_path)), "--out", str(out), "--y", y]) == 0
+    pixels = image.imread(out)
+    blue, orange = (0.122, 0.467, 0.706), (1.0, 0.498, 0.055)  # matplotlib's C0 and C1
+    shown, top = _pixels_near(pixels, blue), _pixels_near(pixels, orange)
+    assert top > 0 and shown > 0.2 * top, (shown, top)
+
+
+def test_identical_runs_differ_in_dash_marker_and_marker_places(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from boostlr.plots.runs import draw
+
+    fig = draw([load_run(r) for r in _same_twice(tmp_path)], "step", "loss", 0.6, None)
+    curves = [line for line in fig.axes[0].lines if not line.get_label().startswith("_")]
+    curves = [line for line in curves if line.get_label() != "validation loss"]
+    plt.close(fig)
+    assert len(curves) == 2
+    a, b = ((c.get_linestyle(), c.get_marker(), c.get_markevery()) for c in curves)
+    assert a[0] != b[0] and a[1] != b[1] and a[2] != b[2], (a, b)

@@ -38,11 +38,13 @@ from rich.progress import (
 from tokenizers import Tokenizer
 
 from boostlr.config import DEVICES, DTYPES, RunConfig, apply_mapping, from_dict
-from boostlr.data import TokenDataset, default_dataset, eos_id
+from boostlr.data import TokenDataset, default_dataset, eos_id, load_tokenizer
+from boostlr.data.prepare import default_dataset_ready
 from boostlr.errors import BoostlrError, DataError
 from boostlr.export import export_model_config, is_export, load_pretrained
 from boostlr.models.llama import LlamaModel
 from boostlr.rundir.checkpoint import open_checkpoint
+from boostlr.rundir.layout import TOKENIZER_FILE
 
 # Keys ``boostlr eval`` accepts as ``--section.key VALUE``: what to read and how, never the model.
 EVAL_KEYS = (
@@ -208,6 +210,11 @@ class _progress:
 def source_config(path: Path) -> RunConfig:
     """The run config behind a checkpoint, run or export dir (an export has the model only)."""
     path = Path(path)
+    if not path.exists():
+        raise BoostlrError(
+            f"{path} does not exist: pass runs/<run>, runs/<run>/checkpoints/step_N, or a "
+            "directory written by boostlr export"
+        )
     if is_export(path):
         cfg = RunConfig()
         cfg.model = export_model_config(path)
@@ -239,10 +246,14 @@ def apply_eval_overrides(cfg: RunConfig, pairs: list[tuple[str, str]]) -> None:
         raise BoostlrError(f"train.batch_size must be >= 1, got {cfg.train.batch_size}")
 
 
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    return a.get_vocab(with_added_tokens=True) == b.get_vocab(with_added_tokens=True)
+
+
 def check_same_tokenizer(model_tok: Tokenizer, dataset: TokenDataset, vocab_size: int) -> None:
     """Refuse data tokenized with another tokenizer: the loss would be meaningless."""
     data_tok = Tokenizer.from_file(str(dataset.tokenizer_path))
-    if data_tok.get_vocab(with_added_tokens=True) != model_tok.get_vocab(with_added_tokens=True):
+    if not same_tokenizer(data_tok, model_tok):
         raise DataError(
             f"dataset {dataset.path} was tokenized with another tokenizer than the model's: "
             "prepare it with boostlr prepare --tokenizer <run>/tokenizer.json, or pass the "
@@ -253,6 +264,30 @@ def check_same_tokenizer(model_tok: Tokenizer, dataset: TokenDataset, vocab_size
             f"dataset {dataset.path} has vocabulary {dataset.vocab_size}, more than the "
             f"model's {vocab_size}: pass a dataset prepared with the model's tokenizer"
         )
+
+
+def own_dataset(path: Path, cfg: RunConfig) -> Path:
+    """The dataset ``path`` was trained on when no ``--data.path`` is given.
+
+    A run or checkpoint names its own (the default corpus when its ``data.path`` is empty:
+    prepared here once if need be). An export holds no dataset: the default corpus is
+    taken only when it is already prepared with the export's tokenizer (an export of a
+    default-corpus run on this machine); otherwise this says so before anything is prepared,
+    as a freshly prepared corpus has a tokenizer of its own."""
+    if not is_export(path):
+        return default_dataset(vocab_size=cfg.data.default_vocab)
+    ready = default_dataset_ready(vocab_size=cfg.data.default_vocab)
+    if ready is not None and same_tokenizer(
+        load_tokenizer(ready / TOKENIZER_FILE), load_tokenizer(path / TOKENIZER_FILE)
+    ):
+        return ready
+    why = "has another tokenizer" if ready else "is not prepared"
+    raise DataError(
+        f"{path} is an export and holds no dataset, and the default corpus of its vocabulary "
+        f"({cfg.data.default_vocab}) {why}: pass "
+        "--data.path DIR, a dataset prepared with the export's tokenizer (boostlr prepare "
+        f"--input TEXT --out DIR --tokenizer {path / TOKENIZER_FILE})"
+    )
 
 
 def run_eval(
@@ -273,8 +308,8 @@ def run_eval(
     from boostlr.parallel.device import resolve_device
 
     device = resolve_device(cfg.parallel.device)
+    data_path = cfg.data.path or own_dataset(Path(path), cfg)
     model, tokenizer = load_pretrained(path, device=device)
-    data_path = cfg.data.path or default_dataset(vocab_size=cfg.data.default_vocab)
     dataset = TokenDataset(data_path, split)
     check_same_tokenizer(tokenizer, dataset, model.cfg.vocab_size)
     autocast = (

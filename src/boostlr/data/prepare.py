@@ -378,13 +378,25 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("BOOSTLR_CACHE") or Path.home() / ".cache" / "boostlr").expanduser()
 
 
+def default_dataset_dir(cache_dir: Path | None = None, vocab_size: int = 4096) -> Path:
+    """Where :func:`default_dataset` keeps the stdlib corpus of this Python and vocab."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    return cache / f"stdlib-py{version}-bpe{vocab_size}"
+
+
+def default_dataset_ready(cache_dir: Path | None = None, vocab_size: int = 4096) -> Path | None:
+    """The prepared default corpus of that vocab, or None (nothing is prepared here)."""
+    out = default_dataset_dir(cache_dir, vocab_size)
+    return out if _is_valid(out) else None
+
+
 def default_dataset(
     cache_dir: Path | None = None, vocab_size: int = 4096, progress: bool = True
 ) -> Path:
     """Prepare the built-in stdlib corpus once per Python version and vocab; reuse it after."""
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    version = f"{sys.version_info.major}{sys.version_info.minor}"
-    out = cache / f"stdlib-py{version}-bpe{vocab_size}"
+    out = default_dataset_dir(cache_dir, vocab_size)
+    cache = out.parent
     cache.mkdir(parents=True, exist_ok=True)
     # Several data-parallel ranks may call this at once: only one prepares, the rest reuse.
     with _file_lock(cache / f".{out.name}.lock"):

@@ -196,6 +196,27 @@ def launch(
                 os.environ[key] = value
 
 
+def world_mismatch(world: int, expected: int, env: Mapping[str, str]) -> str:
+    """Why the launcher's world is not the config's, and what to start instead.
+
+    Under srun (SLURM's variables, no torchrun in between) every rank is an srun task and
+    ``--parallel.nproc`` starts none: ``boostlr train --parallel.nproc 8`` typed into a batch
+    script of one task joins that one task's world. Say so, in SLURM's words."""
+    fix = "or change the degrees (--parallel.dp -1 fills the world)"
+    if "SLURM_NTASKS" in env and "TORCHELASTIC_RUN_ID" not in env:
+        return (
+            f"SLURM started {world} task{'s' * (world != 1)} (SLURM_NTASKS={env['SLURM_NTASKS']})"
+            f" but the config needs {expected} ranks (parallel.pp x dp x tp): under SLURM each "
+            "rank is an srun task and --parallel.nproc starts none; inside the allocation run "
+            f"`srun --ntasks {expected} boostlr train ...` (one task per GPU: sbatch "
+            f"--ntasks-per-node GPUS, docs/cluster.md), {fix}"
+        )
+    return (
+        f"the launcher started {world} ranks but the config needs {expected} "
+        f"(parallel.pp x dp x tp): start {expected} ranks, {fix}"
+    )
+
+
 def pin_cpu_cores() -> list[int] | None:
     """Bind this rank to its own slice of the cores it may run on; ``None`` if nothing to do.
 
@@ -227,11 +248,7 @@ def init_distributed(
     adopt_slurm_env()
     world = int(os.environ["WORLD_SIZE"])
     if world != expected_world:
-        raise BoostlrError(
-            f"the launcher started {world} ranks but the config needs {expected_world} "
-            f"(parallel.pp x dp x tp): start {expected_world} ranks, or change the degrees "
-            "(--parallel.dp -1 fills the world)"
-        )
+        raise BoostlrError(world_mismatch(world, expected_world, os.environ))
     if pin_cores and runs_on_host(device):
         pin_cpu_cores()
     if "OMP_NUM_THREADS" in os.environ:

@@ -281,12 +281,30 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+SPEEDUP_COLUMN = "btp speed-up over row"
+
+
+def _speedup_caption(rows: list[Prediction], btp: Prediction | None) -> str:
+    """What the speed-up column divides by: the (first, i.e. fastest listed) btp row."""
+    if btp is None:
+        return f"{SPEEDUP_COLUMN}: -, no btp row listed to divide by (--top K lists more)"
+    which = (
+        "the btp row"
+        if sum(r.strategy == "btp" for r in rows) == 1
+        else f"the first btp row (row {rows.index(btp) + 1}, the fastest btp layout listed)"
+    )
+    return (
+        f"{SPEEDUP_COLUMN}: the row's step s / the step s of {which}, {btp.step_time:.3f} s "
+        "(above 1: btp is that much faster)"
+    )
+
+
 def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     btp = next((r for r in rows if r.strategy == "btp"), None)
-    table = Table(title=title)
+    table = Table(title=title, caption=_speedup_caption(rows, btp))
     for col in (
         "arch",
         "strategy",
@@ -299,7 +317,7 @@ def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
         "GEMM intensity min/mean",
         "memory GB/GPU",
         "fits",
-        "btp speed-up",
+        SPEEDUP_COLUMN,
     ):
         table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
     for r in rows:

@@ -6,6 +6,11 @@ training FLOPs (tokens × :func:`~boostlr.models.counting.flops_per_token`), so 
 different batch sizes or archs compare at equal data or equal compute. For ``--y loss`` the
 training loss is drawn raw (faint) and smoothed (an exponential moving average, debiased as
 TensorBoard does), with the run's validation losses as points in the same colour.
+
+Runs that log the same numbers (a rerun, a layout that is bit-for-bit the same) would draw one
+curve over another. Each run therefore also has its own dash pattern and hollow marker,
+the markers placed at staggered points, and the runs are drawn in order, the solid line of the
+first at the bottom: every one of several identical curves stays visible.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from boostlr.rundir.layout import CONFIG_FILE, METRICS_FILE
 
 X_AXES = ("step", "tokens", "flops")
 X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "training FLOPs"}
+DASHES = ("-", "--", "-.", ":")  # the first run solid, at the bottom
+MARKERS = ("o", "s", "^", "D", "v", "P")
+MARKS_PER_CURVE = 8
 
 
 @dataclass
@@ -130,33 +138,7 @@ def plot_runs(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [label(r.cfg) for r in runs]
-    if len(set(labels)) < len(labels):  # same config twice: tell them apart by directory
-        labels = [f"{lab} ({r.path.name})" for lab, r in zip(labels, runs, strict=True)]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    any_val = False
-    for i, (run, name) in enumerate(zip(runs, labels, strict=True)):
-        color = f"C{i % 10}"
-        xs, ys = run.series(y, x)
-        if y == "loss":
-            if xs:
-                ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
-                ax.plot(xs, ema(ys, smooth), color=color, linewidth=1.6, label=name)
-            vx, vy = run.series("val_loss", x)
-            if vx:
-                ax.plot(vx, vy, "o", color=color, markersize=4)
-                any_val = True
-        elif xs:
-            style = "o-" if len(xs) < 30 else "-"
-            ax.plot(xs, ys, style, color=color, markersize=3, linewidth=1.4, label=name)
-    if any_val:  # one legend entry for the points of every run
-        ax.plot([], [], "o", color="gray", markersize=4, label="validation loss")
-    ax.set_xlabel(X_LABELS[x])
-    ax.set_ylabel(y)
-    ax.set_title(title or f"{y} vs {X_LABELS[x]}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig = draw(runs, x, y, smooth, title)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -166,3 +148,52 @@ def plot_runs(
     finally:
         plt.close(fig)
     return out
+
+
+def _style(i: int, runs: int, points: int) -> dict[str, Any]:
+    """Run ``i``'s colour, dash, hollow marker and marker positions (staggered by run)."""
+    every = max(1, points // MARKS_PER_CURVE)
+    return {
+        "color": f"C{i % 10}",
+        "linestyle": DASHES[i % len(DASHES)],
+        "marker": MARKERS[i % len(MARKERS)],
+        "markerfacecolor": "none",
+        "markevery": (i * every // max(1, runs) % every, every),
+        "zorder": 2 + i / max(1, runs),
+    }
+
+
+def draw(runs: list[Run], x: str, y: str, smooth: float, title: str | None) -> Any:
+    """The figure of ``y`` against ``x`` for ``runs`` (matplotlib already imported)."""
+    import matplotlib.pyplot as plt
+
+    labels = [label(r.cfg) for r in runs]
+    if len(set(labels)) < len(labels):  # same config twice: tell them apart by directory
+        labels = [f"{lab} ({r.path.name})" for lab, r in zip(labels, runs, strict=True)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    any_val = False
+    for i, (run, name) in enumerate(zip(runs, labels, strict=True)):
+        xs, ys = run.series(y, x)
+        style = _style(i, len(runs), len(xs))
+        if y == "loss":
+            if xs:
+                ax.plot(xs, ys, color=style["color"], alpha=0.25, linewidth=0.8)
+                ax.plot(xs, ema(ys, smooth), markersize=4, linewidth=1.6, label=name, **style)
+            vx, vy = run.series("val_loss", x)
+            if vx:
+                point = {k: style[k] for k in ("color", "marker", "markerfacecolor", "zorder")}
+                ax.plot(vx, vy, linestyle="none", markersize=6, **point)
+                any_val = True
+        elif xs:
+            ax.plot(xs, ys, markersize=4, linewidth=1.4, label=name, **style)
+    if any_val:  # one legend entry for the points of every run
+        ax.plot(
+            [], [], "o", color="gray", markersize=5, markerfacecolor="none", label="validation loss"
+        )
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel(y)
+    ax.set_title(title or f"{y} vs {X_LABELS[x]}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

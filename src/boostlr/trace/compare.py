@@ -108,6 +108,8 @@ def trace_json(cfg: RunConfig, hw: HardwareProfile, traces: list[RankTrace]) -> 
                 "steps_equal": t.steps_equal,
                 "host_rss_bytes": t.host_rss_bytes,
                 "wall_s": round(t.wall_s, 1),
+                # micro-batches run per step; the schedule repeats the last for the rest
+                "micro_batches_run": t.micro_run,
                 "collectives": collective_summary(t),
                 # Step 2's ledger in the order it was issued (point-to-point included): the
                 # schedule the plan's pipeline terms are derived from.

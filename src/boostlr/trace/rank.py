@@ -7,6 +7,13 @@ ledger. The step is the trainer's (``train/loop.py``): zero the gradients, ``gra
 micro-batches of forward + backward under the run's autocast, the global loss, clipping,
 AdamW; the second step runs with the optimizer state the first one made.
 
+A traced step runs at most :data:`MICRO_TRACED` micro-batches: the first makes the
+gradients, the second accumulates into them, and every later one repeats the second's
+operators on the same live tensors (same peak, same collectives). The ledger then repeats
+the last micro-batch's records for the ones not run, so a step's records are the whole
+step's; the real-rank test runs every micro-batch and compares. A paper config's
+``global_batch`` can mean 64 micro-batches a step, each a few seconds of fake dispatch.
+
 FSDP is given torch's own all-gather and reduce-scatter (what an NCCL rank runs), never the
 gloo-only in-place path, whatever the backend: :func:`torch_fsdp_collectives`.
 """
@@ -31,6 +38,7 @@ from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.train.optim import build_optimizer
 
 PHASES = ("build", "forward", "backward", "optimizer", "step2")
+MICRO_TRACED = 2  # micro-batches a fake step runs; later ones repeat the second
 
 
 @dataclass
@@ -49,6 +57,7 @@ class RankTrace:
     steps_equal: bool = True  # step 1 sent the same collectives as step 2
     host_rss_bytes: int = 0  # this process's peak resident memory (Linux: ru_maxrss in KiB)
     wall_s: float = 0.0  # seconds the traced process spent on the build and both steps
+    micro_run: int = 0  # micro-batches run per step (the ledger repeats the last for the rest)
 
     @property
     def peak_bytes(self) -> int:
@@ -93,6 +102,15 @@ def _records(ledger: CommLedger) -> list[dict]:
     ]
 
 
+def repeat_last_micro(records: list[dict], starts: list[int], extra: int) -> list[dict]:
+    """``records`` with the last micro-batch's span (``starts[-2]:starts[-1]``) repeated
+    ``extra`` more times right after it: the micro-batches a step did not run."""
+    if extra <= 0 or len(starts) < 2:
+        return records
+    a, b = starts[-2], starts[-1]
+    return records[:b] + records[a:b] * extra + records[b:]
+
+
 def two_steps(
     cfg: RunConfig,
     comms: MeshComms,
@@ -100,12 +118,15 @@ def two_steps(
     rank: int,
     batch=None,
     device: torch.device | None = None,
+    micro_limit: int | None = None,
 ) -> RankTrace:
     """Build this rank's model and run two steps; ``counter`` must already be counting.
 
     ``batch(step, micro)`` gives ``(inputs, targets)``; by default random token ids of the
     config's shape (their values change nothing a trace measures). ``device`` (default the
     CPU) is where the model and batch live: fake CUDA tensors take CUDA's code paths.
+    ``micro_limit``: run at most that many micro-batches a step (at least 2) and repeat the
+    last one's records for the rest (None: run all ``grad_accum``).
     """
     device = device or torch.device("cpu")
     t = cfg.train
@@ -127,6 +148,7 @@ def two_steps(
     optimizer = build_optimizer(model.parameters(), cfg.train)
     bf16 = t.dtype == "bfloat16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    run = t.grad_accum if micro_limit is None else min(t.grad_accum, max(2, micro_limit))
     steps: list[list[dict]] = []
     for step in (1, 2):
         comms.ledger.reset()
@@ -134,17 +156,20 @@ def two_steps(
         counter.phase("forward" if step == 1 else "step2")
         counter.backward_phase = "backward" if step == 1 else None
         total = torch.zeros((), device=device)
-        for micro in range(t.grad_accum):
+        starts = []
+        for micro in range(run):
+            starts.append(len(comms.ledger.records))
             inputs, targets = batch(step, micro)
             with autocast:
                 total += model.forward_backward(inputs, targets)
+        starts.append(len(comms.ledger.records))
         counter.backward_phase = None
         if step == 1:
             counter.phase("optimizer")
         model.global_mean(total / t.grad_accum)
         model.clip_gradients(t.grad_clip)
         optimizer.step()
-        steps.append(_records(comms.ledger))
+        steps.append(repeat_last_micro(_records(comms.ledger), starts, t.grad_accum - run))
     return RankTrace(
         rank=rank,
         pp_stage=pp_stage,
@@ -156,4 +181,5 @@ def two_steps(
         records=steps[1],
         steps_equal=steps[0] == steps[1],
         host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        micro_run=run,
     )

@@ -2,7 +2,8 @@
 
 Each traced rank runs in a fresh process (``spawn``): a fake process group of the run's world
 size, the run's mesh, ``ParallelModel``'s build under fake tensors, then two training steps
-on a batch of the config's shape (:func:`boostlr.trace.rank.two_steps`). Nothing
+on a batch of the config's shape (:func:`boostlr.trace.rank.two_steps`; at most two
+micro-batches run per step, the ledger repeating the second for the rest). Nothing
 is allocated and nothing is sent, so a paper-size rank fits in a laptop's memory. The
 ranks' processes are independent: they run side by side, one per core by default.
 
@@ -24,7 +25,7 @@ from typing import Any
 from boostlr.analysis.costmodel import planning_config
 from boostlr.config import RunConfig, vocab_over_dp
 from boostlr.errors import BoostlrError
-from boostlr.trace.rank import RankTrace, coordinates
+from boostlr.trace.rank import MICRO_TRACED, RankTrace, coordinates
 
 TIMEOUT_S = 600  # one rank's trace; the paper's largest layouts take a few minutes
 
@@ -41,10 +42,11 @@ def traced_ranks(cfg: RunConfig) -> list[int]:
     return sorted(set(ranks))
 
 
-def trace_here(cfg: RunConfig, rank: int) -> RankTrace:
+def trace_here(cfg: RunConfig, rank: int, micro_limit: int | None = MICRO_TRACED) -> RankTrace:
     """Trace ``rank`` in this process: a fake world, its mesh, the build and two steps.
 
-    The process must have no default process group; it has none again afterwards.
+    ``micro_limit``: micro-batches run per step (None: all ``grad_accum``). The process
+    must have no default process group; it has none again afterwards.
     """
     import torch.distributed as dist
 
@@ -58,7 +60,7 @@ def trace_here(cfg: RunConfig, rank: int) -> RankTrace:
         with fake_tensors() as mode:
             counter = StorageCounter(mode)
             with counting(counter):
-                return two_steps(cfg, comms, counter, rank)
+                return two_steps(cfg, comms, counter, rank, micro_limit=micro_limit)
     finally:
         dist.destroy_process_group()
 

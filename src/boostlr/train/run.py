@@ -54,6 +54,7 @@ from boostlr.train.metrics import truncate_after
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 from boostlr.train.sinks import require_packages
 from boostlr.train.state import RunState, restore
+from boostlr.train.summary import announce
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
@@ -98,6 +99,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     datasets = open_datasets(cfg)
     bind_vocab(cfg, datasets[0])
     adopt_slurm_env()
+    if os.environ.get("RANK", "0") == "0":  # once: this process, or rank 0 of a launcher's
+        announce(cfg, run_dir, datasets[0].path, device, resume, console, under_launcher())
     if under_launcher():  # torchrun/srun started the ranks: join them
         return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
     check_local_gpus(device, cfg.parallel.world_size)
