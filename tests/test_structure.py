@@ -188,6 +188,20 @@ def test_only_the_device_module_branches_on_device_or_backend() -> None:
     assert not stale, f"no longer branch on a device: drop from DEVICE_ALLOWED: {stale}"
 
 
+def test_the_command_line_is_imported_by_nothing_but_itself() -> None:
+    """``boostlr.cli`` is the top floor: the library never reaches up into it, and each
+    command module reaches the others only through ``cli.common`` (none imports a sibling
+    command or the package that assembles them)."""
+    graph = import_graph()
+    cli = {name for name in graph if name == "boostlr.cli" or name.startswith("boostlr.cli.")}
+    assert {"boostlr.cli", "boostlr.cli.common", "boostlr.cli.train"} <= cli
+    up = {name: sorted(deps & cli) for name, deps in graph.items() if name not in cli}
+    assert not {name: deps for name, deps in up.items() if deps}
+    commands = cli - {"boostlr.cli", "boostlr.cli.common", "boostlr.cli.__main__"}
+    sideways = {name: sorted(graph[name] & (cli - {"boostlr.cli.common"})) for name in commands}
+    assert not {name: deps for name, deps in sideways.items() if deps}
+
+
 def test_the_run_directory_readers_import_nothing_from_the_trainer() -> None:
     """``export``, ``eval`` and ``ckpt info`` read run directories through ``boostlr.rundir``
     (the format's one home): a change to the trainer cannot break them, at any remove."""

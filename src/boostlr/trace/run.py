@@ -164,22 +164,6 @@ def trace(
     return trace_ranks(cfg, chosen, jobs or default_jobs())
 
 
-def check_trace_flags(
-    trace: bool, search: bool, gpus: int | None, ranks: list[int] | None, jobs: int | None
-) -> None:
-    """``plan``'s tracing flags, each misuse refused in one line."""
-    if search and trace:
-        raise BoostlrError("--trace traces the config's own layout: drop --search")
-    if ranks is not None and not trace:
-        raise BoostlrError("--trace-rank picks the ranks --trace traces: add --trace")
-    if jobs is not None and (not trace or jobs < 1):
-        raise BoostlrError(
-            "--trace-jobs N sets how many ranks --trace runs at once: N >= 1, with --trace"
-        )
-    if trace and not gpus:
-        raise BoostlrError("--trace needs --gpus N: the world size to trace")
-
-
 def describe_rank(cfg: RunConfig, rank: int) -> str:
     pp, dp, tp = coordinates(cfg, rank)
     return f"rank {rank} (pp {pp}, dp {dp}, tp {tp})"

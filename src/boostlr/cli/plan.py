@@ -1,0 +1,118 @@
+"""``boostlr plan``: the cost model's prediction for a config (or a layout search), with
+``--trace`` beside it and ``--plot`` after it; the tracing flags' checks live here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from boostlr.cli.common import Call, Command
+from boostlr.errors import BoostlrError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="predict step time, traffic and memory of full/vanilla/btp, or search layouts",
+        description="Cost model (no GPU, nothing allocated). Config and --section.key VALUE "
+        "overrides as for train.",
+    )
+    pl.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
+    pl.add_argument("--hardware", required=True, help="profile name or path to a .toml file")
+    pl.add_argument("--gpus", type=int, default=None, help="world size (fills parallel.dp -1)")
+    pl.add_argument("--search", action="store_true", help="rank every valid layout of --gpus")
+    pl.add_argument("--top", type=int, default=5, help="layouts to print with --search")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.add_argument(
+        "--trace",
+        action="store_true",
+        help="also run one rank of each role for two real steps on fake tensors and a fake "
+        "process group of --gpus ranks: peak tensor bytes and every collective, beside the plan",
+    )
+    pl.add_argument(
+        "--trace-rank",
+        type=int,
+        action="append",
+        metavar="RANK",
+        help="with --trace: trace only this global rank (repeat for more) instead of one of "
+        "each role",
+    )
+    pl.add_argument(
+        "--trace-jobs",
+        type=int,
+        metavar="N",
+        help="with --trace: ranks traced at once (default: one per CPU core)",
+    )
+    pl.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="also draw step-time breakdown, 1-256 GPU scaling and 1B-40B weak scaling "
+        "(needs matplotlib: the 'plot' extra)",
+    )
+
+
+def check_trace_flags(
+    trace: bool, search: bool, gpus: int | None, ranks: list[int] | None, jobs: int | None
+) -> None:
+    """``plan``'s tracing flags, each misuse refused in one line."""
+    if search and trace:
+        raise BoostlrError("--trace traces the config's own layout: drop --search")
+    if ranks is not None and not trace:
+        raise BoostlrError("--trace-rank picks the ranks --trace traces: add --trace")
+    if jobs is not None and (not trace or jobs < 1):
+        raise BoostlrError(
+            "--trace-jobs N sets how many ranks --trace runs at once: N >= 1, with --trace"
+        )
+    if trace and not gpus:
+        raise BoostlrError("--trace needs --gpus N: the world size to trace")
+
+
+def run(args: argparse.Namespace, call: Call) -> None:
+    from boostlr.analysis import plan
+    from boostlr.analysis.hardware import load_profile
+    from boostlr.config import parse_overrides
+    from boostlr.plots.plan import plan_json, print_rows, search_json
+
+    if args.plot:
+        from boostlr.plots import require_matplotlib
+
+        require_matplotlib("--plot")
+    hw = load_profile(args.hardware)
+    cfg = plan.load_config(args.config, parse_overrides(call.overrides), args.gpus, args.search)
+    check_trace_flags(args.trace, args.search, args.gpus, args.trace_rank, args.trace_jobs)
+    if args.search:
+        cands = plan.search(cfg, hw, args.gpus, args.top)
+        if args.json:
+            print(json.dumps(search_json(cands, hw, args.gpus), indent=2))
+        else:
+            preds = [c.prediction for c in cands]
+            print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
+    else:
+        rows = plan.strategy_rows(cfg, hw)
+        traced = None
+        if args.trace:
+            from boostlr.trace.compare import trace_json
+            from boostlr.trace.run import trace
+
+            traced = trace_json(cfg, hw, trace(cfg, args.trace_rank, args.trace_jobs))
+        if args.json:
+            out = plan_json(rows, hw, cfg)
+            if traced is not None:
+                out["trace"] = traced
+            print(json.dumps(out, indent=2))
+        else:
+            print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+            if traced is not None:
+                from boostlr.trace.compare import format_trace
+
+                print(format_trace(traced))
+    if args.plot:
+        from boostlr.plots.plan import draw, plot_data
+
+        draw(plot_data(cfg, hw, args.gpus if args.search else None), Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+
+
+COMMAND = Command("plan", add_parser, run, takes_overrides=True)
