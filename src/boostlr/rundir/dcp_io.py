@@ -8,7 +8,11 @@ Four things boostlr needs that DCP does not offer as API:
   disk's write-back with the writing); a save then never reads its shards back. This
   relies on DCP writing every file (shards and ``.metadata``) through ``self.fs`` in
   sequence, and renaming ``.metadata.tmp`` through ``fs.rename``.
-* **No zip CRC in the shards** (:func:`_without_zip_crc`): the sha256 already covers them.
+* **No zip CRC in the shards** (``write_data``): DCP writes every tensor with ``torch.save``,
+  whose CRC-32 costs about as much CPU as copying the bytes, and nothing checks it (not
+  ``torch.load``); every file's sha256 in ``meta.json`` already covers it. The records carry
+  a CRC of 0. The switch is process-wide while a save writes (one save at a time): a
+  ``torch.save`` elsewhere in the process in that window also skips its CRC.
 * **Staging before the save.** The trainer copies the state to host memory itself
   (:func:`make_stager`: pinned on CUDA) and hands DCP the copy, so the ranks' per-save
   numbers can be exchanged while the checkpoint group is idle.
@@ -123,23 +127,8 @@ class HashingFileSystemWriter(dcp.FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         # Runs where the bytes are written (DCP's background thread for an async save).
         bind_thread_device(self.device)
-        with _without_zip_crc():
+        with torch_save_without_crc():  # the module docstring says why
             return super().write_data(plan, planner)
-
-
-@contextmanager
-def _without_zip_crc() -> Iterator[None]:
-    """``torch.save`` without the zip CRC-32 of each record while DCP writes shards.
-
-    DCP writes every tensor with ``torch.save``, whose CRC-32 costs about as much CPU as
-    copying the bytes, and nothing checks it: ``torch.load`` does not, and every file of a
-    checkpoint has its sha256 in ``meta.json``, computed as it is written. The records then
-    carry a CRC of 0 (``torch.load`` and DCP read them as before). The setting is global
-    while a save writes (one save at a time); a ``torch.save`` elsewhere in the process in
-    that window also skips its CRC, which changes nothing for ``torch.load``.
-    """
-    with torch_save_without_crc():
-        yield
 
 
 def make_stager(pin: bool) -> DefaultStager:
