@@ -1,4 +1,4 @@
-"""The seven block linears of every arch behind one interface.
+"""The seven block linears of every arch behind one interface, and :func:`make_linear`.
 
 Each linear maps ``(x, z_prev) -> (y, z)``: ``z`` is the latent LaX hands to the same linear of
 the next block (``None`` for the other archs). Low-rank linears expose their two halves
@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from boostlr.config import ModelConfig
 from boostlr.models.norm import RMSNorm
 from boostlr.models.params import local
+from boostlr.specs.arch import DENSE, LAX, LOWRANK, arch_spec
 
 
 def cola_std(d_in: int, d_out: int, rank: int) -> float:
@@ -125,3 +127,22 @@ class LaxLinear(LowRankLinear):
 
 
 BlockLinear = DenseLinear | LowRankLinear
+
+
+def make_linear(
+    cfg: ModelConfig, d_in: int, d_out: int, layer: int, device: torch.device | str | None
+) -> BlockLinear:
+    """The block linear of ``cfg.arch``, built by its spec's linear kind (no arch names)."""
+    spec = arch_spec(cfg.arch)
+    if spec.linear == DENSE:
+        return DenseLinear(d_in, d_out, device=device)
+    if spec.linear == LAX:
+        gate = cfg.lax_gate if layer > 0 else None
+        return LaxLinear(
+            d_in, d_out, cfg.rank, gate, cfg.lax_gate_rank, cfg.norm_eps, device=device
+        )
+    if spec.linear == LOWRANK:
+        return LowRankLinear(
+            d_in, d_out, cfg.rank, activation=spec.latent_activation, device=device
+        )
+    raise ValueError(f"arch {spec.name!r}: no block linear of kind {spec.linear!r}")
