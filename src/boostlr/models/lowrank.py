@@ -82,11 +82,11 @@ class LatentCrossing(nn.Module):
         super().__init__()
         self.norm = RMSNorm(rank, eps, device=device)
         self.gate_kind = gate
-        if gate == "full":
-            self.gate = nn.Linear(rank, rank, bias=False, device=device)
-        elif gate == "factored":
+        if gate == "factored":
             self.gate_down = nn.Linear(rank, gate_rank, bias=False, device=device)
             self.gate_up = nn.Linear(gate_rank, rank, bias=False, device=device)
+        elif gate is not None:  # "full": one r x r map
+            self.gate = nn.Linear(rank, rank, bias=False, device=device)
 
     def forward(
         self, a: torch.Tensor, z_prev: torch.Tensor | None
@@ -95,11 +95,11 @@ class LatentCrossing(nn.Module):
         if self.gate_kind is not None:
             if z_prev is None:
                 raise ValueError("LaX crossing with a gate needs the previous block's latent")
-            if self.gate_kind == "full":
-                u = u + F.linear(z_prev, local(self.gate.weight))
-            else:
+            if self.gate_kind == "factored":
                 inner = F.linear(z_prev, local(self.gate_down.weight))
                 u = u + F.linear(inner, local(self.gate_up.weight))
+            else:
+                u = u + F.linear(z_prev, local(self.gate.weight))
         return self.norm(u), u
 
 
