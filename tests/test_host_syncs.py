@@ -29,8 +29,9 @@ from distributed import run_distributed
 from test_train import tiny_run_config
 
 from boostlr.data import loader as loader_module
-from boostlr.parallel import device as device_module
 from boostlr.parallel import engine as engine_module
+from boostlr.platform import CopyPlan, platform_for
+from boostlr.platform import copies as copies_module
 from boostlr.train import run as trainer
 from boostlr.train.profiling import StepProfiler
 
@@ -62,7 +63,7 @@ def watch_batches(stack: ExitStack, note) -> None:
         buffers[id(t)] = t
         return t
 
-    move = device_module.to_device
+    move = copies_module.to_device
 
     def to_device(t, device):
         note(PLANNED if from_buffer(t) else PAGEABLE)
@@ -81,7 +82,7 @@ def watch_batches(stack: ExitStack, note) -> None:
 
     for owner, name, value in (
         (loader_module, "host_buffer", host_buffer),
-        (device_module, "to_device", to_device),
+        (copies_module, "to_device", to_device),
         (engine_module, "to_device", to_device),
         (torch.Tensor, "to", watched_to),
     ):
@@ -120,7 +121,7 @@ def count_conversions(
         current["step"] = step
         debug.close()  # a log step (1, STEPS) may read the device
         if 1 < step < STEPS:
-            debug.enter_context(device_module.sync_debug(device, "error"))
+            debug.enter_context(platform_for(device).sync_debug(device, "error"))
         before_step(self, step)
 
     def note_copy(key: str) -> None:
@@ -189,12 +190,12 @@ def test_a_batch_copy_to_a_gpu_never_makes_the_host_wait() -> None:
     """What ``to_device`` does with a batch bound for a GPU, asked without one: a batch from
     ``host_buffer`` is pinned there (so it is copied as it is), and the copy is queued."""
     gpu = torch.device("cuda", 0)
-    plan = device_module.copy_plan(gpu.type)
+    plan = platform_for(gpu).copy_plan
     assert plan.pin and plan.non_blocking and plan.side_stream  # host_buffer pins under it
     pageable = torch.arange(8)
-    assert device_module.copy_steps(pageable, gpu) == (True, True)  # pinned first, queued
-    assert device_module.copy_steps(pageable, torch.device("cpu")) is None
-    assert device_module.copy_plan("cpu") == device_module.CopyPlan(False, False, False)
+    assert copies_module.copy_steps(pageable, gpu) == (True, True)  # pinned first, queued
+    assert copies_module.copy_steps(pageable, torch.device("cpu")) is None
+    assert platform_for("cpu").copy_plan == CopyPlan(False, False, False)
 
 
 def test_the_watch_sees_a_batch_moved_around_to_device(small_dataset: Path, tmp_path) -> None:

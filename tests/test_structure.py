@@ -113,7 +113,9 @@ def test_the_cost_model_imports_nothing_from_the_engine() -> None:
 
 # ----------------------------------------------------------------------------- device specifics
 
-DEVICE_MODULE = "boostlr.parallel.device"
+PLATFORM = "boostlr.platform"
+# What the platform may stand on: nothing of boostlr's above the ground floor.
+PLATFORM_DEPS = {"boostlr.errors", "boostlr._torch_internals", "boostlr.models.philox"}
 BACKENDS = {"nccl", "gloo", "mpi", "ucc"}
 DEVICE_WORDS = {"cpu", "cuda", "mps", "xpu", "hpu", "meta", *BACKENDS}
 # Modules still allowed to branch on a device, each with why. Every entry must still need
@@ -170,15 +172,19 @@ def test_the_device_rule_finds_the_branches_it_forbids() -> None:
     ]
 
 
-def test_only_the_device_module_branches_on_device_or_backend() -> None:
-    """``parallel/device.py`` is the one home of device specifics: backend, rank->GPU
-    mapping, timing, syncs, memory, copies. Passing ``device.type`` on (to autocast) is fine;
-    deciding by it is not."""
-    found, stale = {}, []
+def in_platform(name: str) -> bool:
+    return name == PLATFORM or name.startswith(PLATFORM + ".")
+
+
+def test_only_the_platform_branches_on_device_or_backend() -> None:
+    """The ``boostlr.platform`` package is the one home of device specifics: backend,
+    rank->GPU mapping, timing, syncs, memory, copies, generators. Passing ``device.type`` on
+    (to autocast) is fine; deciding by it is not."""
+    found, stale, platform_branches = {}, [], {}
     for name, path in modules().items():
         branches = device_branches(path.read_text())
-        if name == DEVICE_MODULE:
-            assert branches  # the rule sees the module that does branch
+        if in_platform(name):
+            platform_branches[name] = branches
         elif name in DEVICE_ALLOWED:
             if not branches:
                 stale.append(name)
@@ -186,6 +192,21 @@ def test_only_the_device_module_branches_on_device_or_backend() -> None:
             found[name] = branches
     assert not found, found
     assert not stale, f"no longer branch on a device: drop from DEVICE_ALLOWED: {stale}"
+    # The rule sees the package that does branch (CUDA's calls live in its platform).
+    assert platform_branches.get(f"{PLATFORM}.cuda"), platform_branches
+
+
+def test_the_platform_is_on_the_ground_floor() -> None:
+    """Data, checkpoints, the engine and the trainer import the platform, so it imports none
+    of them (nor anything above it), and no device module is left under ``parallel/``."""
+    graph = import_graph()
+    platform = {name for name in graph if in_platform(name)}
+    assert {PLATFORM, f"{PLATFORM}.host", f"{PLATFORM}.cuda"} <= platform
+    above = {name: sorted(graph[name] - platform - PLATFORM_DEPS) for name in platform}
+    assert not {name: deps for name, deps in above.items() if deps}
+    assert "boostlr.parallel.device" not in graph
+    users = {"boostlr.data.loader", "boostlr.rundir.writer", "boostlr.rundir.payload"}
+    assert all(graph[name] & platform for name in users)
 
 
 def test_the_command_line_is_imported_by_nothing_but_itself() -> None:

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.device import to_device
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
+from boostlr.platform import to_device
 from boostlr.rundir.timeouts import CheckpointGroup
 
 

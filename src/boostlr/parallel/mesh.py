@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from boostlr.config import ParallelConfig
 from boostlr.parallel.collectives import CommLedger, GroupComm
-from boostlr.parallel.device import backend_for, group_options
+from boostlr.platform import platform_for
 from boostlr.rundir.timeouts import CheckpointGroup, remade_group
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -68,8 +68,8 @@ def build_mesh(
     from ``ckpt`` (the one resume verified on) when that holds one, else made here.
     """
     timeout = timedelta(seconds=p.timeout_s)
-    backend = backend_for(device)
-    override = {name: (backend, group_options(backend, timeout)) for name in MESH_DIMS}
+    platform = platform_for(device)
+    override = {name: (platform.backend, platform.group_options(timeout)) for name in MESH_DIMS}
     mesh = init_device_mesh(
         device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS, backend_override=override
     )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from boostlr.parallel.device import HOST_BACKEND
+from boostlr.platform import HOST_BACKEND
 
 CKPT_GROUP = "checkpoint (gloo)"
 

@@ -31,7 +31,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from boostlr.faults import crash_point
 from boostlr.fsutil import fsync_dir, fsync_file
-from boostlr.parallel.device import bind_thread_device, pin_staging
+from boostlr.platform import bind_thread_device, pin_staging
 from boostlr.rundir import dcp_io
 from boostlr.rundir.checkpoint import FORMAT_VERSION, list_checkpoints, sha256_of
 from boostlr.rundir.layout import META_FILE, TEMP_PREFIX, TRAINER_FILE, rng_file, step_dir_name

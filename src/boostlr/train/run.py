@@ -32,7 +32,6 @@ from boostlr.errors import (
     TrainingDiverged,
 )
 from boostlr.parallel.compile import check_toolchain
-from boostlr.parallel.device import check_local_gpus, resolve_device, runs_on_host
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import (
     adopt_slurm_env,
@@ -40,6 +39,7 @@ from boostlr.parallel.launch import (
     launch,
     under_launcher,
 )
+from boostlr.platform import platform_for, resolve_device
 from boostlr.rundir import layout
 from boostlr.rundir.checkpoint import read_checkpoint
 from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
@@ -103,7 +103,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
         announce(cfg, run_dir, datasets[0].path, device, resume, console, under_launcher())
     if under_launcher():  # torchrun/srun started the ranks: join them
         return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
-    check_local_gpus(device, cfg.parallel.world_size)
+    platform_for(device).check_local_ranks(cfg.parallel.world_size)
     ckpt = prepare_run_dir(cfg, run_dir, resume, datasets[0])
     if cfg.parallel.world_size == 1 and cfg.parallel.max_restarts == 0:
         return _train_rank(cfg, run_dir, ckpt, console, device, datasets)
@@ -226,7 +226,7 @@ def _train_rank(
     loads on ``ckpt_group``'s group when verification left one open)."""
     torch.manual_seed(cfg.train.seed)
     allocator = "device"
-    if runs_on_host(device):
+    if platform_for(device).is_host:
         torch.use_deterministic_algorithms(True, warn_only=True)
         allocator = cache_host_memory() if cfg.train.cpu_alloc_cache else "glibc"
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -14,8 +14,8 @@ import torch
 
 from boostlr.config import RunConfig, from_dict
 from boostlr.data import BatchLoader
-from boostlr.parallel.device import set_rng_states
 from boostlr.parallel.engine import ParallelModel
+from boostlr.platform import set_rng_states
 from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, load_trainer_state
 from boostlr.rundir.layout import TOKENIZER_FILE
 from boostlr.rundir.payload import checkpoint_payload, sharded
