@@ -108,6 +108,22 @@ def test_a_device_chooses_its_platform_by_kind_and_backend() -> None:
     assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_a_new_kind_must_state_every_fact_and_method() -> None:
+    """A kind is one class: leaving out a fact fails at its definition, a method when it is
+    made (so before :data:`PLATFORMS` could hold it)."""
+    with pytest.raises(TypeError, match="leaves copy_plan, draw_chunk_counters"):
+
+        class Partial(dev.Platform):
+            kind, backend, is_host, fsdp_in_place_collectives = "xpu", "xccl", False, False
+
+    class Facts(dev.Platform):
+        kind, backend, is_host, fsdp_in_place_collectives = "xpu", "xccl", False, False
+        copy_plan, draw_chunk_counters = dev.CopyPlan(True, True, True), 1
+
+    with pytest.raises(TypeError, match="abstract"):
+        Facts()  # type: ignore[abstract]
+
+
 def test_the_generators_a_checkpoint_keeps_come_back() -> None:
     """Every platform's generators under their keys (the CPU's first), and put back."""
     states = dev.rng_states()

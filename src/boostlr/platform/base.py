@@ -3,8 +3,8 @@ CUDA rank (NCCL), as one class per kind.
 
 The rest of boostlr asks a :class:`Platform` (``platform_for(device)``) instead of branching
 on ``device.type`` or a backend name; a new device kind is one new subclass, registered in
-:mod:`boostlr.platform.registry`. Abstract methods make a kind that forgets one fail when it
-is registered, not on the first rank that needs it.
+:mod:`boostlr.platform.registry`. A kind that forgets a fact or a method fails where it is
+defined or registered, not on the first rank that needs it.
 """
 
 from __future__ import annotations
@@ -53,6 +53,17 @@ class CopyLane:
         return tensors
 
 
+# The class attributes every kind sets (annotated on :class:`Platform`).
+FACTS = (
+    "kind",
+    "backend",
+    "is_host",
+    "copy_plan",
+    "draw_chunk_counters",
+    "fsdp_in_place_collectives",
+)
+
+
 class Platform(ABC):
     """One device kind: its backend, binding, timing, memory, copies and generators.
 
@@ -68,6 +79,13 @@ class Platform(ABC):
     draw_chunk_counters: ClassVar[int]
     # FSDP's gathers and reductions run through boostlr's in-place calls on this backend.
     fsdp_in_place_collectives: ClassVar[bool]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A kind that leaves one of the facts above unset is refused where it is defined."""
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in FACTS if not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"platform {cls.__name__} leaves {', '.join(missing)} unset")
 
     # ------------------------------------------------------------------ which device
 
