@@ -46,8 +46,8 @@ def stage_of(model: ParallelModel, name: str) -> TensorParallelModel:
 
 def shard_of(model: ParallelModel, name: str, full: Tensor) -> Tensor:
     """This rank's tensor-parallel chunk of ``full``, the whole value of parameter ``name``."""
-    comm = stage_of(model, name).ctx.comm
-    return shard_tensor(full, stage_of(model, name).specs[name], comm.rank, comm.size)
+    part = stage_of(model, name)
+    return shard_tensor(full, part.specs[name], part.ctx.comm.rank, part.ctx.comm.size)
 
 
 def local_grad(p: Tensor) -> Tensor:
