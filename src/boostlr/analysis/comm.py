@@ -1,6 +1,8 @@
 """Exact per-step tensor-parallel communication of each strategy (docs/design.md §2–§3).
 
-These formulas mirror the collectives the strategies issue, call for call; the tests check
+Each strategy's collectives per block, on a first and on a last stage are functions of the
+shapes in its spec (:mod:`boostlr.specs.strategy`); this module sums them over a stage. They
+mirror the collectives the strategies issue, call for call; the tests check
 them against the communication ledger of real gloo runs, so they can be trusted for
 planning runs that are too large to execute here. Counts are per rank and per micro-batch
 (forward + backward, plus the checkpoint re-forward), as payload bytes and calls.
