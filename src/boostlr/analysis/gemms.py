@@ -154,10 +154,11 @@ def head_gemms(cfg: ModelConfig, strategy: str | None, tp: int, tokens: int) -> 
 # totals with what torch dispatches on a CPU).
 NORM = (7, 24)  # rms_norm: pow, mean, x * rsqrt, gain * x; backward: 14 kernels
 PRODUCT = (3, 6)  # g * u
-SWIGLU = (5, 9)  # silu(g) * u (each latent's σ and LaX's crossing: the arch's spec)
+SWIGLU = (5, 9)  # silu(g) * u
 RESIDUAL = 3  # x + y (its backward passes the gradient through)
 REUSE = 3  # backward: one more consumer of a tensor adds its gradient (g1 + g2)
 CLONE = 2  # a collective's copy of its payload into a fresh buffer (read + write)
+# Each latent's own passes (σ, LaX's crossing) are its arch's: ``ArchSpec.latent_passes``.
 
 
 @dataclass(frozen=True)
@@ -355,7 +356,7 @@ ROPE_KERNELS = (8, 11)  # q and k: x cos + roll(x) sin; the backward's copies of
 GQA_KERNELS = (2, 2)  # k and v repeated to every query head
 SWIGLU_KERNELS = (2, 4)  # silu(g) * u
 PRODUCT_KERNELS = (1, 2)  # g * u (low-rank-only MLP)
-# (each linear's latent: the arch's spec)
+# Each latent's own kernels are its arch's: ``ArchSpec.latent_kernels``.
 GROUP_KERNELS = (4, 4)  # BTP per down-projection group: online-norm rescales, cat, split
 WEIGHT_CAT_KERNELS = (4, 2)  # grouped A's concatenated and B's stacked per micro-batch
 
