@@ -308,3 +308,101 @@ def test_private_torch_symbols_only_in_torch_internals() -> None:
         if name not in PRIVATE_TORCH_HOMES and (uses := private_torch_uses(path.read_text()))
     }
     assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------- strategy, arch names
+
+STRATEGY_NAMES = {"megatron", "vanilla", "btp"}
+ARCH_NAMES = {"full", "cola", "svd", "lax"}
+# A name compared with one of these means something else: LaX's gate kind ("full"), the
+# pipeline's backward type ("full").
+OTHER_MEANINGS = ("gate", "backward_type")
+# The one home of each kind's facts (boostlr.specs), the schema's Literal sets, and the
+# standalone remote-code model (it cannot import boostlr).
+NAME_HOMES = {
+    "strategy": {"boostlr.specs.strategy", "boostlr.config.schema"},
+    "arch": {"boostlr.specs.arch", "boostlr.config.schema", "boostlr.hf.modeling_boostlr"},
+}
+
+
+def _named(node: ast.AST) -> set[str]:
+    """Strategy or arch names written as string constants in ``node`` (tuples included)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        values = {node.value}
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+    else:
+        return set()
+    return values & (STRATEGY_NAMES | ARCH_NAMES)
+
+
+def _other_meaning(subject: ast.AST) -> bool:
+    words = set()
+    for n in ast.walk(subject):
+        if isinstance(n, ast.Name):
+            words.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            words.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            words.add(n.value)
+    return any(other in word for word in words for other in OTHER_MEANINGS)
+
+
+def name_comparisons(source: str) -> dict[str, list[str]]:
+    """Where ``source`` compares something with a strategy or arch name (``==``, ``!=``,
+    ``in``, ``not in``, a ``match`` case), per kind: ``{"strategy": [...], "arch": [...]}``."""
+    found: dict[str, list[str]] = {"strategy": [], "arch": []}
+
+    def note(names: set[str], subjects: list[ast.AST], node: ast.AST, text: str) -> None:
+        if not names or any(_other_meaning(s) for s in subjects):
+            return
+        where = f"line {node.lineno}: {text}"
+        if names & STRATEGY_NAMES:
+            found["strategy"].append(where)
+        if names & ARCH_NAMES:
+            found["arch"].append(where)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = set().union(*(_named(s) for s in sides))
+            note(names, [s for s in sides if not _named(s)], node, ast.unparse(node))
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                values = [p for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+                names = set().union(*(_named(p.value) for p in values))
+                note(names, [node.subject], case.pattern, f"match {ast.unparse(node.subject)}")
+    for hits in found.values():
+        hits.sort(key=lambda hit: int(hit.split(":")[0].split()[1]))
+    return found
+
+
+def test_the_name_rule_finds_the_comparisons_it_forbids() -> None:
+    code = (
+        'a = cfg.arch == "lax"\n'
+        'b = strategy in ("btp", "vanilla")\n'
+        'c = line["strategy"] != "megatron"\n'
+        "match p.tp_strategy:\n"
+        '    case "btp" | "auto":\n'
+        "        pass\n"
+        'e = "svd" == s\n'
+        'f = cfg.lax_gate == "full"\n'
+        'g = backward_type != "full"\n'
+        'h = {"btp": 1}[name]\n'
+        'i = m.arch == "auto"\n'
+    )
+    found = name_comparisons(code)
+    assert [w.split(":")[0] for w in found["strategy"]] == ["line 2", "line 3", "line 5"]
+    assert [w.split(":")[0] for w in found["arch"]] == ["line 1", "line 7"]
+
+
+def test_strategy_and_arch_names_are_compared_only_in_their_homes() -> None:
+    """What a strategy or an arch *is* lives in its spec (``boostlr.specs``): everything else
+    reads the spec's facts (``residual_sharded``, ``crossing``, ...) instead of comparing
+    names, so a new strategy or arch is its own module plus its spec entry."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for kind, hits in name_comparisons(path.read_text()).items():
+            if hits and name not in NAME_HOMES[kind]:
+                found.setdefault(name, []).extend(f"{kind} {hit}" for hit in hits)
+    assert not found, found

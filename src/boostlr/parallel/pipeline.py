@@ -35,6 +35,8 @@ from boostlr.parallel.tensor_parallel import (
     TensorParallelModel,
     boundary_dtypes,
 )
+from boostlr.specs.arch import arch_spec
+from boostlr.specs.strategy import spec_or_none
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 META = torch.device("meta")
@@ -43,9 +45,10 @@ META = torch.device("meta")
 def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:
     """Shapes of the tensors one stage hands to the next, for one pipeline micro-batch."""
     m, s = cfg.model, cfg.data.seq_len
-    d = m.dim // tp if cfg.parallel.strategy_for(m.arch) == "btp" else m.dim
+    spec = spec_or_none(cfg.parallel.strategy_for(m.arch))
+    d = spec.residual_width(m.dim, tp) if spec else m.dim
     shapes = [torch.Size((micro, s, d))]
-    if m.arch == "lax":
+    if arch_spec(m.arch).crossing:
         shapes += [torch.Size((micro, s, m.rank))] * len(LATENT_NAMES)
     return shapes
 
