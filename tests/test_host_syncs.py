@@ -28,6 +28,7 @@ import torch
 from distributed import run_distributed
 from test_train import tiny_run_config
 
+from boostlr.config import resolve
 from boostlr.data import loader as loader_module
 from boostlr.parallel import engine as engine_module
 from boostlr.platform import CopyPlan, platform_for
@@ -143,7 +144,7 @@ def count_conversions(
             watch_batches(watching, note_copy)
             if rank_of_group:
                 datasets = trainer.open_datasets(cfg)
-                trainer.bind_vocab(cfg, datasets[0])
+                cfg = resolve(cfg, datasets[0])
                 trainer._train_rank(cfg, run_dir, None, False, device, datasets)
             else:
                 trainer.train(cfg, run_dir, console=False)
@@ -226,7 +227,7 @@ def test_distributed_steps_do_not_sync(small_dataset: Path, tmp_path: Path, layo
     run_dir = tmp_path / "run"
     cfg = _config(small_dataset, **layout)
     datasets = trainer.open_datasets(cfg)
-    trainer.bind_vocab(cfg, datasets[0])
+    cfg = resolve(cfg, datasets[0])
     trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
     per_rank = run_distributed(_rank_counts, world, str(small_dataset), str(run_dir), layout)
     for conversions, copies in per_rank:

@@ -96,7 +96,7 @@ def resolve_vocab_dp(cfg: RunConfig) -> None:
 
     The one place ``auto`` is decided: :func:`resolve_layout` calls it (a config whose
     vocabulary is set), the trainer once the tokenizer gives the vocabulary
-    (``boostlr.train.run.bind_vocab``), the planner once it takes the preset's. Every
+    (``boostlr.config.resolve.resolve``), the planner once it takes the preset's. Every
     consumer reads the bool (``ParallelConfig.vocab_over_dp``); the saved config shows it.
     """
     if cfg.parallel.vocab_dp == "auto" and cfg.model.vocab_size >= 1:

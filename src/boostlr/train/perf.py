@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from boostlr.analysis.hardware import load_profile, user_dir
 from boostlr.errors import ConfigError
-from boostlr.parallel.mesh import MeshComms
 from boostlr.platform import platform_for
 
 # Substrings of ``torch.cuda.get_device_name()`` -> shipped profile (first match wins).
@@ -72,16 +71,15 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes vs KiB
 
 
-def build_times(stages: list, comms: MeshComms) -> dict[str, float | list[float]]:
+def build_times(stages: list, group: dist.ProcessGroup | None) -> dict[str, float | list[float]]:
     """``build_s`` (the slowest rank's) and ``build_s_ranks``: seconds to build each rank's part.
 
-    Gathered once, on the first log step after a start, over the all-ranks gloo group with
-    host tensors: no device copy, no device sync.
+    Gathered once, on the first log step after a start, over ``group``, the all-ranks gloo
+    group (the checkpoint writer's), with host tensors: no device copy, no device sync.
     """
     mine = max((getattr(s, "build_s", 0.0) for s in stages), default=0.0)
     local = torch.tensor([mine], dtype=torch.float64)
     times = [local]
-    group = comms.ckpt_group
     if group is not None and dist.get_world_size(group) > 1:
         times = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(times, local, group=group)
