@@ -11,7 +11,8 @@ formulas the tests check against the ledger of real runs (``comm_metrics`` is ex
 * the pipeline as torch's schedule runs it (:mod:`boostlr.analysis.schedule`): every rank's
   program of chunks and point-to-point exchanges (``α + n/B`` per boundary, on the link the
   pp ranks span; ranks laid out tp-fastest, then dp, then pp), timed; the bubble is what
-  the slowest rank waits; interleaved keeps ``(m·v + p - 1)`` slots of one virtual stage;
+  the slowest rank waits; interleaved keeps ``(m·v + p - 1)`` slots of one virtual stage
+  (how each schedule is timed is its spec's, ``specs/schedule.py``);
 * overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; under a
   pipeline in ``ddp`` mode the stage's gradient reduction after the last backward is exposed
   whole.
@@ -60,6 +61,7 @@ from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
 from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.schedule import VIRTUAL_SLOTS, schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
 __all__ = [  # the time primitives live in chunktime; callers import them from here too
@@ -277,7 +279,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         one = pp_send_bytes(m, strategy, p.tp, seqs * cfg.data.seq_len, 1, False, True, a)
         bw, alpha = link_bandwidth(hw, 2, p.world_size)
         hop = alpha + hw.launch + one / bw  # one boundary, either way (a grad is its act's size)
-        if v > 1:  # interleaved: Megatron's slot count, one hop each way per slot
+        if schedule_spec(p.pp_schedule).timing == VIRTUAL_SLOTS:  # one hop each way per slot
             span0 = interleaved_span(mb, v, p.pp, slowest.total)
             span = span0 + (mb * v + p.pp - 1) * 2 * hop
         else:  # torch's own program for every rank, timed (analysis/schedule.py)

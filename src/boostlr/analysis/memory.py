@@ -19,6 +19,7 @@ from boostlr.analysis.comm import vocab_dp
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, shard_dim, stage_ids, stage_layers
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.schedule import schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
 FP32 = 4
@@ -209,14 +210,13 @@ def grads_held_at_activation_peak(p: ParallelConfig, pp_rank: int, grad_accum: i
     or a 1F1B pipeline rank that runs more micro-batches than it holds (its steady state);
     interleaved schedules are counted so too. Otherwise (one micro-batch, GPipe, a 1F1B
     rank still in warm-up) the activations peak before the first backward makes gradients.
+    Each schedule's answer is its spec's ``grads_before_peak``.
     """
     if grad_accum > 1:
         return True
-    if p.pp == 1 or p.pp_schedule == "gpipe":
+    if p.pp == 1:
         return False
-    if p.pp_schedule == "1f1b":
-        return p.pp_microbatches > p.pp - pp_rank
-    return True
+    return schedule_spec(p.pp_schedule).grads_before_peak(p.pp_microbatches, p.pp, pp_rank)
 
 
 def in_flight(p: ParallelConfig, pp_rank: int) -> float:
@@ -224,14 +224,9 @@ def in_flight(p: ParallelConfig, pp_rank: int) -> float:
 
     GPipe runs every forward first; 1F1B holds ``pp - rank``; interleaved 1F1B's first rank
     holds ``pp`` micro-batches of each of its stages plus ``pp - 1`` of warm-up (Megatron's
-    count), spread over ``pp_virtual`` stages.
+    count), spread over ``pp_virtual`` stages: each schedule's spec states its count.
     """
-    m = p.pp_microbatches
     if p.pp == 1:
         return 1.0
-    if p.pp_schedule == "gpipe":
-        return float(m)
-    if p.pp_schedule == "1f1b":
-        return float(min(m, p.pp - pp_rank))
-    v = p.virtual_stages
-    return float(min(m * v, p.pp * v + p.pp - 1 - 2 * pp_rank)) / v
+    spec = schedule_spec(p.pp_schedule)
+    return spec.in_flight(p.pp_microbatches, p.pp, pp_rank, p.virtual_stages)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from boostlr.analysis.costmodel import Prediction, planning_config, predict
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.config import (
-    PP_SCHEDULES,
     RunConfig,
     build_config,
     resolve_layout,
@@ -26,6 +25,7 @@ from boostlr.config import (
 )
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import COLA, FULL, arch_spec
+from boostlr.specs.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from boostlr.specs.strategy import act_ckpt_modes, strategies_for, strategy_spec
 
 SEARCH_OVERRIDES = [  # --search replaces the layout; model, data and train stay
@@ -135,7 +135,7 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                 continue
             accum = global_batch // (t.batch_size * dp)
             micro = [0] if pp == 1 else sorted({k for k in _divisors(t.batch_size) if k >= pp})
-            schedules = ["1f1b"] if pp == 1 else list(PP_SCHEDULES)
+            schedules = [DEFAULT_SCHEDULE.name] if pp == 1 else list(SCHEDULES)
             for mb, schedule in itertools.product(micro, schedules):
                 strategies = [s.name for s in takes] if tp > 1 else ["auto"]
                 # The vocabulary split over dp or held by FSDP: both, whatever auto would pick

@@ -26,6 +26,7 @@ from boostlr.config.schema import (
 )
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import LOWRANK_ARCHS, arch_spec
+from boostlr.specs.schedule import SCHEDULES, schedule_spec
 from boostlr.specs.strategy import STRATEGIES, act_ckpt_modes, spec_or_none
 
 
@@ -275,16 +276,17 @@ def validate_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
             f"model.n_layers {m.n_layers} is not divisible by {what} pipeline stages: pick a "
             "pp (and pp_virtual) that divides the layers evenly"
         )
-    mb = p.pp_microbatches
-    if p.pp_schedule in ("1f1b", "interleaved") and mb < p.pp:
+    mb, schedule = p.pp_microbatches, schedule_spec(p.pp_schedule)
+    if schedule.microbatches_at_least_pp and mb < p.pp:
+        takers = " or ".join(s.name for s in SCHEDULES.values() if not s.microbatches_at_least_pp)
         raise ConfigError(
             f"parallel.pp_schedule {p.pp_schedule} needs at least as many micro-batches as "
             f"pipeline ranks ({p.pp}), got parallel.microbatches {mb}: raise "
-            "--parallel.microbatches or use --parallel.pp_schedule gpipe"
+            f"--parallel.microbatches or use --parallel.pp_schedule {takers}"
         )
-    if p.pp_schedule == "interleaved" and mb % p.pp:
+    if schedule.microbatches_multiple_of_pp and mb % p.pp:
         raise ConfigError(
-            f"parallel.pp_schedule interleaved needs parallel.microbatches ({mb}) to be a "
+            f"parallel.pp_schedule {p.pp_schedule} needs parallel.microbatches ({mb}) to be a "
             f"multiple of parallel.pp ({p.pp})"
         )
     if m.tie_embeddings:

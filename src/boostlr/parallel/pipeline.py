@@ -16,14 +16,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from boostlr._torch_internals import stage_backward, wrapped_p2p_waits
 from boostlr.config import RunConfig
@@ -36,9 +32,9 @@ from boostlr.parallel.tensor_parallel import (
     boundary_dtypes,
 )
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.schedule import schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 META = torch.device("meta")
 
 
@@ -190,16 +186,16 @@ class Pipeline:
                     group=pp.group,
                 )
             )
-        loss_fn = self._loss_fn()
-        if p.pp_schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(
-                pipeline_stages, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
-            )
+        spec = schedule_spec(p.pp_schedule)
+        schedule_class = getattr(pipelining, spec.torch_class)
+        # A multi-stage schedule takes the rank's list of stages, a single-stage one its stage.
+        if spec.multi_stage:
+            held: PipelineStage | list[PipelineStage] = pipeline_stages
         else:
-            (stage,) = pipeline_stages
-            self.schedule = SCHEDULES[p.pp_schedule](
-                stage, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
-            )
+            (held,) = pipeline_stages
+        self.schedule = schedule_class(
+            held, p.pp_microbatches, loss_fn=self._loss_fn(), scale_grads=False
+        )
         self.microbatches = p.pp_microbatches
         self.has_last = any(part.model.last for part in stages)
 
