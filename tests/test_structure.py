@@ -406,3 +406,74 @@ def test_strategy_and_arch_names_are_compared_only_in_their_homes() -> None:
             if hits and name not in NAME_HOMES[kind]:
                 found.setdefault(name, []).extend(f"{kind} {hit}" for hit in hits)
     assert not found, found
+
+
+# ----------------------------------------------------------------------------- schedule names
+
+SCHEDULE_NAMES = {"gpipe", "1f1b", "interleaved"}
+# The schedules' facts (boostlr.specs.schedule) and the schema's Literal set (and its
+# stages-per-rank property).
+SCHEDULE_HOMES = {"boostlr.specs.schedule", "boostlr.config.schema"}
+
+
+def _strings(node: ast.AST | None) -> set[str]:
+    """String constants written in ``node`` (tuples, lists and sets included)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant)}
+    return set()
+
+
+def schedule_comparisons(source: str) -> list[str]:
+    """Where ``source`` tells pipeline schedules apart by name: compares something with one
+    (``==``, ``!=``, ``in``, ``not in``, a ``match`` case) or keys a table by them."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if set().union(*(_strings(s) for s in sides)) & SCHEDULE_NAMES:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                values = [p for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+                if set().union(*(_strings(v.value) for v in values)) & SCHEDULE_NAMES:
+                    found.append((case.pattern.lineno, f"match {ast.unparse(node.subject)}"))
+        elif isinstance(node, ast.Dict):
+            if set().union(*(_strings(k) for k in node.keys)) & SCHEDULE_NAMES:
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+def test_the_schedule_rule_finds_what_it_forbids() -> None:
+    code = (
+        'a = p.pp_schedule == "interleaved"\n'
+        'b = schedule in ("1f1b", "interleaved")\n'
+        "match p.pp_schedule:\n"
+        '    case "gpipe":\n'
+        "        pass\n"
+        'd = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}\n'
+        'e = spec.timing == "virtual-slots"\n'
+        "f = p.pp_schedule == spec.name\n"
+        'g = "1f1b" != s\n'
+    )
+    assert [hit.split(":")[0] for hit in schedule_comparisons(code)] == [
+        "line 1",
+        "line 2",
+        "line 4",
+        "line 6",
+        "line 9",
+    ]
+
+
+def test_schedule_names_are_compared_only_in_their_homes() -> None:
+    """What a pipeline schedule *is* lives in its spec (``boostlr.specs.schedule``): the
+    pipeline, validation, the memory model and the cost model read its facts (the torch
+    class, stages per rank, micro-batch constraints, micro-batches in flight, timing), so a
+    new schedule is its spec entry (plus a program, to be simulated)."""
+    found = {
+        name: hits
+        for name, path in modules().items()
+        if name not in SCHEDULE_HOMES and (hits := schedule_comparisons(path.read_text()))
+    }
+    assert not found, found
