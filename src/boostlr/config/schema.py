@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from boostlr.specs import arch as _arch
+from boostlr.specs.schedule import schedule_spec
 from boostlr.specs.strategy import default_strategy
 
 Arch = Literal["full", "cola", "svd", "lax"]
@@ -327,7 +328,9 @@ class ParallelConfig:
     @property
     def virtual_stages(self) -> int:
         """Pipeline stages held by each pp rank."""
-        return self.pp_virtual if self.pp_schedule == "interleaved" and self.pp > 1 else 1
+        if self.pp == 1:
+            return 1
+        return schedule_spec(self.pp_schedule).stages_per_rank(self.pp_virtual)
 
     @property
     def num_stages(self) -> int:
