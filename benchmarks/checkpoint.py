@@ -39,6 +39,7 @@ from boostlr.config import build_config, from_dict, to_dict
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import init_distributed, launch
 from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, read_checkpoint
+from boostlr.rundir.timeouts import CheckpointGroup
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
@@ -86,7 +87,9 @@ def rank_entry(cfg_dict: dict, root: str, saves: int, disks: list[str]) -> dict:
         for t in [p for _, p in named]
         + [v for s in state["optim"].values() for v in s.values() if v.ndim > 0]
     )
-    group = model.comms.ckpt_group
+    ckpt = CheckpointGroup(dist.get_world_size())  # the trainer's checkpoint group
+    ckpt.wait(cfg.parallel.timeout_s)
+    group = ckpt.group
     report: dict = {"rank": rank, "shard_mb": local_bytes / MB}
     rng = {"cpu": torch.get_rng_state()}
     for mode in ("sync", "async"):

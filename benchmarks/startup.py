@@ -29,7 +29,7 @@ from boostlr.parallel.build import materialize
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.ledger import CommLedger
-from boostlr.parallel.sharding import shard_tensor
+from boostlr.parallel.sharding import shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 
@@ -71,7 +71,8 @@ def before(part: TensorParallelModel, seed: int, device: torch.device) -> int:
             drawn += full.numel()
         else:
             full = (torch.ones if rule == "ones" else torch.zeros)(param.shape)
-        shard = shard_tensor(full, part.specs[name], rank, tp).to(device)
+        box = shard_box(full.shape, part.specs[name], rank, tp)
+        shard = full[tuple(slice(a, b) for a, b in box)].clone().to(device)
         del full
         path, _, attr = name.rpartition(".")
         owner = part.model.get_submodule(path) if path else part.model

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from boostlr.config import build_config
 from boostlr.parallel.engine import ParallelModel
+from boostlr.rundir.timeouts import CheckpointGroup
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 
@@ -64,8 +65,9 @@ def save_memory(rank: int, world: int, root: str, async_save: bool) -> dict:
     local = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state)]
     shard_bytes = sum(t.numel() * t.element_size() for t in local)
     largest = max(t.numel() * t.element_size() for t in local)
-    group = model.comms.ckpt_group
-    writer = CheckpointWriter(Path(root), rank, group, keep=2, async_save=async_save)
+    ckpt = CheckpointGroup(world)  # the trainer's: all ranks on gloo, for checkpoints only
+    ckpt.wait(cfg.parallel.timeout_s)
+    writer = CheckpointWriter(Path(root), rank, ckpt.group, keep=2, async_save=async_save)
     dist.barrier()
     before = _rss()
     with PeakRss() as peak:
@@ -88,12 +90,14 @@ def group_timeouts(rank: int, world: int) -> dict:
         overrides=[("parallel.tp", "2"), ("parallel.dp", "2"), ("parallel.timeout_s", "42")]
     )
     comms = build_mesh(cfg.parallel, torch.device("cpu"))
+    ckpt = CheckpointGroup(world)
+    ckpt.size_to({}, cfg.parallel.timeout_s)  # as the trainer makes it (no shards: no resize)
     cpu = torch.device("cpu")
     groups = {
         "tp": comms.tp.group,
         "dp": comms.dp.group,
         "pp": comms.pp.group,
-        "ckpt": comms.ckpt_group,
+        "ckpt": ckpt.group,
     }
     return {
         name: group._get_backend(cpu).options._timeout / timedelta(seconds=1)
@@ -110,15 +114,17 @@ def slow_rank_save_and_load(
     from boostlr.faults import SLOW_IO_ENV
     from boostlr.parallel.mesh import build_mesh
     from boostlr.rundir.checkpoint import load_sharded_state, read_checkpoint
-    from boostlr.rundir.timeouts import checkpoint_collectives, checkpoint_timeout_s
+    from boostlr.rundir.timeouts import checkpoint_collectives
 
     cfg = build_config(overrides=[("parallel.dp", "2"), ("parallel.timeout_s", str(floor_s))])
-    comms = build_mesh(cfg.parallel, torch.device("cpu"))
+    build_mesh(cfg.parallel, torch.device("cpu"))
+    ckpt = CheckpointGroup(world)
+    ckpt.wait(floor_s)
     state = {"model": {f"rank{rank}": torch.full((mib << 18,), float(rank))}}  # mib MiB
     if sized:
-        comms = comms.with_ckpt_timeout(checkpoint_timeout_s(state, comms.ckpt_group, floor_s))
-    report: dict = {"timeout_s": comms.ckpt_timeout_s}
-    writer = CheckpointWriter(Path(root), rank, comms.ckpt_group, 1, timeout_s=comms.ckpt_timeout_s)
+        ckpt.size_to(state, floor_s)
+    report: dict = {"timeout_s": ckpt.timeout_s}
+    writer = CheckpointWriter.on_group(Path(root), rank, ckpt, 1)
     try:
         for step in ("save", "load"):
             if rank == 1 and step == slow:
@@ -128,10 +134,8 @@ def slow_rank_save_and_load(
                 writer.close()
             else:
                 loaded = {"model": {f"rank{rank}": torch.zeros(mib << 18)}}
-                with checkpoint_collectives(comms.ckpt_timeout_s):
-                    load_sharded_state(
-                        read_checkpoint(Path(root) / "step_1"), loaded, comms.ckpt_group
-                    )
+                with checkpoint_collectives(ckpt.timeout_s):
+                    load_sharded_state(read_checkpoint(Path(root) / "step_1"), loaded, ckpt.group)
                 assert torch.equal(loaded["model"][f"rank{rank}"], state["model"][f"rank{rank}"])
             os.environ.pop(SLOW_IO_ENV, None)
             report[step] = "ok"

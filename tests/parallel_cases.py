@@ -12,9 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig, build_config, resolve_vocab_dp
 from boostlr.models.llama import build_model
-from boostlr.models.placement import VOCAB_PARAMS
+from boostlr.models.placement import VOCAB_PARAMS, chunk_range
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.sharding import chunk_range
 
 VOCAB = 101
 SEQ = 8

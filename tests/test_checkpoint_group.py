@@ -60,19 +60,24 @@ def _most_alive(log: list[tuple[str, int]]) -> int:
 
 def _resize(rank: int, world: int) -> dict:
     from boostlr.parallel.mesh import build_mesh
+    from boostlr.rundir.timeouts import CheckpointGroup
 
     cfg = build_config(overrides=[("parallel.dp", "2"), ("parallel.timeout_s", "5")])
     log: list[tuple[str, int]] = []
     _record_groups(log)
-    comms = build_mesh(cfg.parallel, CPU)
-    first, first_timeout_s = comms.ckpt_group, _timeout_s(comms.ckpt_group)
-    resized = comms.with_ckpt_timeout(9.0)
-    dist.barrier(group=resized.ckpt_group)  # the new group works
+    build_mesh(cfg.parallel, CPU)
+    ckpt = CheckpointGroup(world)
+    ckpt.size_to({}, cfg.parallel.timeout_s)  # the trainer's, before it knows the shards
+    first, first_timeout_s = ckpt.group, _timeout_s(ckpt.group)
+    ckpt.wait(9.0)
+    resized = ckpt.group
+    dist.barrier(group=resized)  # the new group works
+    ckpt.wait(9.0)
     return {
         "log": [(e, "first" if g == id(first) else "other") for e, g in log],
         "most_alive": _most_alive(log),
-        "timeout_s": (first_timeout_s, _timeout_s(resized.ckpt_group)),
-        "same_again": resized.with_ckpt_timeout(9.0).ckpt_group is resized.ckpt_group,
+        "timeout_s": (first_timeout_s, _timeout_s(resized)),
+        "same_again": ckpt.group is resized,
     }
 
 
@@ -108,17 +113,18 @@ def _verify_then_save(rank: int, world: int, root: str) -> dict:
         ckpt, _ = newest_verified(candidates, verifying)
         verified_on = verifying.group
     assert ckpt is not None
-    comms = build_mesh(cfg.parallel, CPU, shared)
-    taken = comms.ckpt_group is verified_on and shared.group is None
-    sized = comms.with_ckpt_timeout(7.0)
-    writer = CheckpointWriter(Path(root) / "run", rank, sized.ckpt_group, 1, timeout_s=7.0)
+    build_mesh(cfg.parallel, CPU)
+    taken = shared.group is verified_on
+    verified_timeout_s = shared.timeout_s
+    shared.wait(7.0)
+    writer = CheckpointWriter(Path(root) / "run", rank, shared.group, 1, timeout_s=7.0)
     writer.save(1, {"w": torch.full((4,), float(rank))}, {}, {"cpu": torch.get_rng_state()}, {}, {})
     writer.close()
     return {
         "made": sum(e == "new" for e, _ in log),
         "most_alive": _most_alive(log),
         "taken": taken,
-        "timeouts": (comms.ckpt_timeout_s, _timeout_s(sized.ckpt_group)),
+        "timeouts": (verified_timeout_s, _timeout_s(shared.group)),
         "verify_timeout_s": verify_timeout(candidates, world, 5.0),
     }
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from test_train import tiny_run_config
+from tp_reference import sliced
 
 from boostlr.cli import main
 from boostlr.config import build_config
@@ -20,7 +21,6 @@ from boostlr.models.llama import build_model
 from boostlr.parallel import compile as compile_module
 from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.parallel.context import TPContext
-from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 STEPS = 4  # graphs are captured in steps 1-2; steps 3-4 must reuse them
 LOSS_TOL = 1e-5  # relative, fp32: inductor may reorder reductions
@@ -35,7 +35,7 @@ def _losses(
     cfg = build_config(overrides=[("model.preset", "tiny"), ("model.arch", arch)]).model
     cfg.vocab_size = 96
     ctx = TPContext(comm, cfg, act_ckpt=act_ckpt, compile=compile)
-    model = TensorParallelModel(build_model(cfg, seed=0), strategy, ctx)
+    model = sliced(build_model(cfg, seed=0), strategy, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
     counters.clear()

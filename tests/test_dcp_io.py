@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from boostlr.parallel.device import pin_staging
+from boostlr.platform import pin_staging
 from boostlr.rundir import dcp_io
 from boostlr.rundir.checkpoint import list_checkpoints, sha256_of
 from boostlr.rundir.writer import CheckpointWriter, prune_checkpoints, shard_bytes

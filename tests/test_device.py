@@ -1,5 +1,6 @@
-"""The device module: rank -> GPU mapping, backend choice, the copy plan, the event pool,
-and the one-line error of a rank asked for a GPU it cannot see (through the real CLI)."""
+"""The platform: rank -> GPU mapping, backend choice, the copy plan, the event pool, the
+choice of a platform per device kind, and the one-line error of a rank asked for a GPU it
+cannot see (through the real CLI)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from boostlr import platform as dev
 from boostlr.data import BatchLoader, TokenDataset
 from boostlr.errors import ConfigError
-from boostlr.parallel import device as dev
 from boostlr.parallel.ledger import CommLedger
+from boostlr.platform import platform_for
 
 SRC = Path(__file__).parents[1] / "src"
 
@@ -56,33 +58,81 @@ def test_two_ranks_on_one_gpu_are_refused() -> None:
         dev.local_device_index(3, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}, 4)
     with pytest.raises(ConfigError, match=r"2 ranks on this node .* 1 GPU\(s\)"):
         dev.local_device_index(0, 1, {"CUDA_VISIBLE_DEVICES": "0"}, 2)
-    dev.check_local_gpus(torch.device("cpu"), 8)  # CPU ranks need none
+    platform_for(torch.device("cpu")).check_local_ranks(8)  # CPU ranks need none
 
 
 def test_binding_on_this_machine() -> None:
     """The real binding: a CPU rank keeps its device; a CUDA rank on a machine without a GPU
     gets the one-line error naming its CUDA_VISIBLE_DEVICES (here, where none is)."""
     cpu = torch.device("cpu")
-    assert dev.bind_rank_device(cpu, {"LOCAL_RANK": "1"}) is cpu
+    assert platform_for(cpu).bind_rank(cpu, {"LOCAL_RANK": "1"}) is cpu
     if torch.cuda.is_available():
-        bound = dev.bind_rank_device(torch.device("cuda"), {"LOCAL_RANK": "0"})
+        bound = platform_for("cuda").bind_rank(torch.device("cuda"), {"LOCAL_RANK": "0"})
         assert bound == torch.device("cuda", 0) and torch.cuda.current_device() == 0
         return
+    env = {"RANK": "2", "CUDA_VISIBLE_DEVICES": "5"}
     with pytest.raises(ConfigError, match=r"rank 2 sees no CUDA GPU \(CUDA_VISIBLE_DEVICES=5\)"):
-        dev.bind_rank_device(torch.device("cuda"), {"RANK": "2", "CUDA_VISIBLE_DEVICES": "5"})
+        platform_for("cuda").bind_rank(torch.device("cuda"), env)
 
 
 def test_backend_and_process_group_arguments() -> None:
-    assert dev.backend_for(torch.device("cpu")) == "gloo"
-    assert dev.backend_for(torch.device("cuda", 1)) == "nccl"
-    assert dev.process_group_kwargs(torch.device("cpu")) == {"backend": "gloo"}
-    assert dev.process_group_kwargs(torch.device("cuda", 1)) == {
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert platform_for(cpu).backend == "gloo"
+    assert platform_for(gpu).backend == "nccl"
+    assert platform_for(cpu).process_group_kwargs(cpu) == {"backend": "gloo"}
+    assert platform_for(gpu).process_group_kwargs(gpu) == {
         "backend": "nccl",
         "device_id": torch.device("cuda", 1),
     }
     assert dev.fsdp_in_place_collectives("gloo") and not dev.fsdp_in_place_collectives("nccl")
-    options = dev.group_options("gloo", timedelta(seconds=7))
+    options = dev.platform_of_backend("gloo").group_options(timedelta(seconds=7))
     assert options._timeout == timedelta(seconds=7)
+
+
+def test_a_device_chooses_its_platform_by_kind_and_backend() -> None:
+    """One platform per kind and per backend, each a complete ``Platform``; a kind or a
+    backend of none is refused by name, except where FSDP asks about a traced run's."""
+    kinds = [p.kind for p in dev.PLATFORMS]
+    assert len(set(kinds)) == len(kinds) == len({p.backend for p in dev.PLATFORMS})
+    assert all(isinstance(p, dev.Platform) for p in dev.PLATFORMS)
+    assert isinstance(platform_for(torch.device("cpu")), dev.HostPlatform)
+    assert isinstance(platform_for("cuda:3"), dev.CudaPlatform)
+    assert dev.platform_of_backend("nccl") is platform_for("cuda")
+    assert dev.host_platform() is platform_for("cpu") and dev.HOST_BACKEND == "gloo"
+    with pytest.raises(ValueError, match=r"'meta'.*cpu \(gloo\), cuda \(nccl\)"):
+        platform_for(torch.device("meta"))
+    with pytest.raises(ValueError, match="'fake'"):
+        dev.platform_of_backend("fake")
+    assert not dev.fsdp_in_place_collectives("fake")
+    auto = dev.resolve_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_new_kind_must_state_every_fact_and_method() -> None:
+    """A kind is one class: leaving out a fact fails at its definition, a method when it is
+    made (so before :data:`PLATFORMS` could hold it)."""
+    with pytest.raises(TypeError, match="leaves copy_plan, draw_chunk_counters"):
+
+        class Partial(dev.Platform):
+            kind, backend, is_host, fsdp_in_place_collectives = "xpu", "xccl", False, False
+
+    class Facts(dev.Platform):
+        kind, backend, is_host, fsdp_in_place_collectives = "xpu", "xccl", False, False
+        copy_plan, draw_chunk_counters = dev.CopyPlan(True, True, True), 1
+
+    with pytest.raises(TypeError, match="abstract"):
+        Facts()  # type: ignore[abstract]
+
+
+def test_the_generators_a_checkpoint_keeps_come_back() -> None:
+    """Every platform's generators under their keys (the CPU's first), and put back."""
+    states = dev.rng_states()
+    assert next(iter(states)) == "cpu"
+    assert len(states) == 1 + (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    drawn = torch.rand(4)
+    torch.rand(8)
+    dev.set_rng_states(states)
+    assert torch.equal(torch.rand(4), drawn)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without GPU")
@@ -111,8 +161,9 @@ def test_cli_with_cuda_and_no_gpu_exits_2_with_one_line(small_dataset: Path, tmp
 
 
 def test_the_copy_plan_pins_and_queues_for_a_gpu_and_does_nothing_on_a_cpu() -> None:
-    assert dev.copy_plan("cuda") == dev.CopyPlan(pin=True, non_blocking=True, side_stream=True)
-    assert dev.copy_plan("cpu") == dev.CopyPlan(pin=False, non_blocking=False, side_stream=False)
+    gpu_plan = dev.CopyPlan(pin=True, non_blocking=True, side_stream=True)
+    assert platform_for("cuda").copy_plan == gpu_plan
+    assert platform_for("cpu").copy_plan == dev.CopyPlan(False, False, False)
     t = torch.arange(6)
     assert dev.to_device(t, torch.device("cpu")) is t
     buffer = dev.host_buffer((2, 3), torch.int64, torch.device("cpu"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from boostlr.parallel.device import EventTimer
+from boostlr.platform import EventTimer
 
 
 class _CountingEvent:

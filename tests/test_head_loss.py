@@ -122,7 +122,7 @@ def test_model_fused_loss_on_and_off(arch: str) -> None:
         model = TensorParallelModel(build_model(cfg, seed=2), None, ctx)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        results.append((loss.item(), {n: p.grad for n, p in model.named_shards()}))
+        results.append((loss.item(), {n: p.grad for n, p in model.model.named_parameters()}))
     (loss_f, grads_f), (loss_u, grads_u) = results
     assert loss_f == pytest.approx(loss_u, rel=1e-6)
     for name, g in grads_u.items():

@@ -28,9 +28,11 @@ import torch
 from distributed import run_distributed
 from test_train import tiny_run_config
 
+from boostlr.config import resolve
 from boostlr.data import loader as loader_module
-from boostlr.parallel import device as device_module
 from boostlr.parallel import engine as engine_module
+from boostlr.platform import CopyPlan, platform_for
+from boostlr.platform import copies as copies_module
 from boostlr.train import run as trainer
 from boostlr.train.profiling import StepProfiler
 
@@ -62,7 +64,7 @@ def watch_batches(stack: ExitStack, note) -> None:
         buffers[id(t)] = t
         return t
 
-    move = device_module.to_device
+    move = copies_module.to_device
 
     def to_device(t, device):
         note(PLANNED if from_buffer(t) else PAGEABLE)
@@ -81,7 +83,7 @@ def watch_batches(stack: ExitStack, note) -> None:
 
     for owner, name, value in (
         (loader_module, "host_buffer", host_buffer),
-        (device_module, "to_device", to_device),
+        (copies_module, "to_device", to_device),
         (engine_module, "to_device", to_device),
         (torch.Tensor, "to", watched_to),
     ):
@@ -120,7 +122,7 @@ def count_conversions(
         current["step"] = step
         debug.close()  # a log step (1, STEPS) may read the device
         if 1 < step < STEPS:
-            debug.enter_context(device_module.sync_debug(device, "error"))
+            debug.enter_context(platform_for(device).sync_debug(device, "error"))
         before_step(self, step)
 
     def note_copy(key: str) -> None:
@@ -142,7 +144,7 @@ def count_conversions(
             watch_batches(watching, note_copy)
             if rank_of_group:
                 datasets = trainer.open_datasets(cfg)
-                trainer.bind_vocab(cfg, datasets[0])
+                cfg = resolve(cfg, datasets[0])
                 trainer._train_rank(cfg, run_dir, None, False, device, datasets)
             else:
                 trainer.train(cfg, run_dir, console=False)
@@ -189,12 +191,12 @@ def test_a_batch_copy_to_a_gpu_never_makes_the_host_wait() -> None:
     """What ``to_device`` does with a batch bound for a GPU, asked without one: a batch from
     ``host_buffer`` is pinned there (so it is copied as it is), and the copy is queued."""
     gpu = torch.device("cuda", 0)
-    plan = device_module.copy_plan(gpu.type)
+    plan = platform_for(gpu).copy_plan
     assert plan.pin and plan.non_blocking and plan.side_stream  # host_buffer pins under it
     pageable = torch.arange(8)
-    assert device_module.copy_steps(pageable, gpu) == (True, True)  # pinned first, queued
-    assert device_module.copy_steps(pageable, torch.device("cpu")) is None
-    assert device_module.copy_plan("cpu") == device_module.CopyPlan(False, False, False)
+    assert copies_module.copy_steps(pageable, gpu) == (True, True)  # pinned first, queued
+    assert copies_module.copy_steps(pageable, torch.device("cpu")) is None
+    assert platform_for("cpu").copy_plan == CopyPlan(False, False, False)
 
 
 def test_the_watch_sees_a_batch_moved_around_to_device(small_dataset: Path, tmp_path) -> None:
@@ -225,7 +227,7 @@ def test_distributed_steps_do_not_sync(small_dataset: Path, tmp_path: Path, layo
     run_dir = tmp_path / "run"
     cfg = _config(small_dataset, **layout)
     datasets = trainer.open_datasets(cfg)
-    trainer.bind_vocab(cfg, datasets[0])
+    cfg = resolve(cfg, datasets[0])
     trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
     per_rank = run_distributed(_rank_counts, world, str(small_dataset), str(run_dir), layout)
     for conversions, copies in per_rank:

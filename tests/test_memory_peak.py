@@ -26,6 +26,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from boostlr.analysis.costmodel import memory_breakdown, state_bytes
 from boostlr.analysis.hardware import load_profile
+from boostlr.config import resolve
 from boostlr.parallel.engine import ParallelModel
 from boostlr.train import run as trainer
 from boostlr.train.memory import MB
@@ -87,7 +88,7 @@ class DeviceTotals(MemTracker):
 def _rank_peak(rank: int, world: int, data: str, run_dir: str, dp_mode: str) -> dict:
     cfg = tiny_run_config(Path(data), **LAYOUT, **{"parallel.dp_mode": dp_mode})
     datasets = trainer.open_datasets(cfg)
-    trainer.bind_vocab(cfg, datasets[0])
+    cfg = resolve(cfg, datasets[0])
     built: dict[str, ParallelModel] = {}
     build = ParallelModel.build
 
@@ -113,7 +114,7 @@ def test_peak_tensor_memory_within_floor_plus_model_transients(
     run_dir = tmp_path / "run"
     cfg = tiny_run_config(small_dataset, **LAYOUT, **{"parallel.dp_mode": dp_mode})
     datasets = trainer.open_datasets(cfg)
-    trainer.bind_vocab(cfg, datasets[0])
+    cfg = resolve(cfg, datasets[0])
     trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
     results = run_distributed(_rank_peak, 8, str(small_dataset), str(run_dir), dp_mode)
     hw = load_profile("a100-40gb")  # only its reserved bytes differ, and they are not used

@@ -113,7 +113,9 @@ def test_the_cost_model_imports_nothing_from_the_engine() -> None:
 
 # ----------------------------------------------------------------------------- device specifics
 
-DEVICE_MODULE = "boostlr.parallel.device"
+PLATFORM = "boostlr.platform"
+# What the platform may stand on: nothing of boostlr's above the ground floor.
+PLATFORM_DEPS = {"boostlr.errors", "boostlr._torch_internals", "boostlr.models.philox"}
 BACKENDS = {"nccl", "gloo", "mpi", "ucc"}
 DEVICE_WORDS = {"cpu", "cuda", "mps", "xpu", "hpu", "meta", *BACKENDS}
 # Modules still allowed to branch on a device, each with why. Every entry must still need
@@ -170,15 +172,19 @@ def test_the_device_rule_finds_the_branches_it_forbids() -> None:
     ]
 
 
-def test_only_the_device_module_branches_on_device_or_backend() -> None:
-    """``parallel/device.py`` is the one home of device specifics: backend, rank->GPU
-    mapping, timing, syncs, memory, copies. Passing ``device.type`` on (to autocast) is fine;
-    deciding by it is not."""
-    found, stale = {}, []
+def in_platform(name: str) -> bool:
+    return name == PLATFORM or name.startswith(PLATFORM + ".")
+
+
+def test_only_the_platform_branches_on_device_or_backend() -> None:
+    """The ``boostlr.platform`` package is the one home of device specifics: backend,
+    rank->GPU mapping, timing, syncs, memory, copies, generators. Passing ``device.type`` on
+    (to autocast) is fine; deciding by it is not."""
+    found, stale, platform_branches = {}, [], {}
     for name, path in modules().items():
         branches = device_branches(path.read_text())
-        if name == DEVICE_MODULE:
-            assert branches  # the rule sees the module that does branch
+        if in_platform(name):
+            platform_branches[name] = branches
         elif name in DEVICE_ALLOWED:
             if not branches:
                 stale.append(name)
@@ -186,6 +192,21 @@ def test_only_the_device_module_branches_on_device_or_backend() -> None:
             found[name] = branches
     assert not found, found
     assert not stale, f"no longer branch on a device: drop from DEVICE_ALLOWED: {stale}"
+    # The rule sees the package that does branch (CUDA's calls live in its platform).
+    assert platform_branches.get(f"{PLATFORM}.cuda"), platform_branches
+
+
+def test_the_platform_is_on_the_ground_floor() -> None:
+    """Data, checkpoints, the engine and the trainer import the platform, so it imports none
+    of them (nor anything above it), and no device module is left under ``parallel/``."""
+    graph = import_graph()
+    platform = {name for name in graph if in_platform(name)}
+    assert {PLATFORM, f"{PLATFORM}.host", f"{PLATFORM}.cuda"} <= platform
+    above = {name: sorted(graph[name] - platform - PLATFORM_DEPS) for name in platform}
+    assert not {name: deps for name, deps in above.items() if deps}
+    assert "boostlr.parallel.device" not in graph
+    users = {"boostlr.data.loader", "boostlr.rundir.writer", "boostlr.rundir.payload"}
+    assert all(graph[name] & platform for name in users)
 
 
 def test_the_command_line_is_imported_by_nothing_but_itself() -> None:
@@ -287,3 +308,172 @@ def test_private_torch_symbols_only_in_torch_internals() -> None:
         if name not in PRIVATE_TORCH_HOMES and (uses := private_torch_uses(path.read_text()))
     }
     assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------- strategy, arch names
+
+STRATEGY_NAMES = {"megatron", "vanilla", "btp"}
+ARCH_NAMES = {"full", "cola", "svd", "lax"}
+# A name compared with one of these means something else: LaX's gate kind ("full"), the
+# pipeline's backward type ("full").
+OTHER_MEANINGS = ("gate", "backward_type")
+# The one home of each kind's facts (boostlr.specs), the schema's Literal sets, and the
+# standalone remote-code model (it cannot import boostlr).
+NAME_HOMES = {
+    "strategy": {"boostlr.specs.strategy", "boostlr.config.schema"},
+    "arch": {"boostlr.specs.arch", "boostlr.config.schema", "boostlr.hf.modeling_boostlr"},
+}
+
+
+def _named(node: ast.AST) -> set[str]:
+    """Strategy or arch names written as string constants in ``node`` (tuples included)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        values = {node.value}
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+    else:
+        return set()
+    return values & (STRATEGY_NAMES | ARCH_NAMES)
+
+
+def _other_meaning(subject: ast.AST) -> bool:
+    words = set()
+    for n in ast.walk(subject):
+        if isinstance(n, ast.Name):
+            words.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            words.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            words.add(n.value)
+    return any(other in word for word in words for other in OTHER_MEANINGS)
+
+
+def name_comparisons(source: str) -> dict[str, list[str]]:
+    """Where ``source`` compares something with a strategy or arch name (``==``, ``!=``,
+    ``in``, ``not in``, a ``match`` case), per kind: ``{"strategy": [...], "arch": [...]}``."""
+    found: dict[str, list[str]] = {"strategy": [], "arch": []}
+
+    def note(names: set[str], subjects: list[ast.AST], node: ast.AST, text: str) -> None:
+        if not names or any(_other_meaning(s) for s in subjects):
+            return
+        where = f"line {node.lineno}: {text}"
+        if names & STRATEGY_NAMES:
+            found["strategy"].append(where)
+        if names & ARCH_NAMES:
+            found["arch"].append(where)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = set().union(*(_named(s) for s in sides))
+            note(names, [s for s in sides if not _named(s)], node, ast.unparse(node))
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                values = [p for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+                names = set().union(*(_named(p.value) for p in values))
+                note(names, [node.subject], case.pattern, f"match {ast.unparse(node.subject)}")
+    for hits in found.values():
+        hits.sort(key=lambda hit: int(hit.split(":")[0].split()[1]))
+    return found
+
+
+def test_the_name_rule_finds_the_comparisons_it_forbids() -> None:
+    code = (
+        'a = cfg.arch == "lax"\n'
+        'b = strategy in ("btp", "vanilla")\n'
+        'c = line["strategy"] != "megatron"\n'
+        "match p.tp_strategy:\n"
+        '    case "btp" | "auto":\n'
+        "        pass\n"
+        'e = "svd" == s\n'
+        'f = cfg.lax_gate == "full"\n'
+        'g = backward_type != "full"\n'
+        'h = {"btp": 1}[name]\n'
+        'i = m.arch == "auto"\n'
+    )
+    found = name_comparisons(code)
+    assert [w.split(":")[0] for w in found["strategy"]] == ["line 2", "line 3", "line 5"]
+    assert [w.split(":")[0] for w in found["arch"]] == ["line 1", "line 7"]
+
+
+def test_strategy_and_arch_names_are_compared_only_in_their_homes() -> None:
+    """What a strategy or an arch *is* lives in its spec (``boostlr.specs``): everything else
+    reads the spec's facts (``residual_sharded``, ``crossing``, ...) instead of comparing
+    names, so a new strategy or arch is its own module plus its spec entry."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for kind, hits in name_comparisons(path.read_text()).items():
+            if hits and name not in NAME_HOMES[kind]:
+                found.setdefault(name, []).extend(f"{kind} {hit}" for hit in hits)
+    assert not found, found
+
+
+# ----------------------------------------------------------------------------- schedule names
+
+SCHEDULE_NAMES = {"gpipe", "1f1b", "interleaved"}
+# The schedules' facts (boostlr.specs.schedule) and the schema's Literal set (and its
+# stages-per-rank property).
+SCHEDULE_HOMES = {"boostlr.specs.schedule", "boostlr.config.schema"}
+
+
+def _strings(node: ast.AST | None) -> set[str]:
+    """String constants written in ``node`` (tuples, lists and sets included)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant)}
+    return set()
+
+
+def schedule_comparisons(source: str) -> list[str]:
+    """Where ``source`` tells pipeline schedules apart by name: compares something with one
+    (``==``, ``!=``, ``in``, ``not in``, a ``match`` case) or keys a table by them."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if set().union(*(_strings(s) for s in sides)) & SCHEDULE_NAMES:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                values = [p for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+                if set().union(*(_strings(v.value) for v in values)) & SCHEDULE_NAMES:
+                    found.append((case.pattern.lineno, f"match {ast.unparse(node.subject)}"))
+        elif isinstance(node, ast.Dict):
+            if set().union(*(_strings(k) for k in node.keys)) & SCHEDULE_NAMES:
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+def test_the_schedule_rule_finds_what_it_forbids() -> None:
+    code = (
+        'a = p.pp_schedule == "interleaved"\n'
+        'b = schedule in ("1f1b", "interleaved")\n'
+        "match p.pp_schedule:\n"
+        '    case "gpipe":\n'
+        "        pass\n"
+        'd = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}\n'
+        'e = spec.timing == "virtual-slots"\n'
+        "f = p.pp_schedule == spec.name\n"
+        'g = "1f1b" != s\n'
+    )
+    assert [hit.split(":")[0] for hit in schedule_comparisons(code)] == [
+        "line 1",
+        "line 2",
+        "line 4",
+        "line 6",
+        "line 9",
+    ]
+
+
+def test_schedule_names_are_compared_only_in_their_homes() -> None:
+    """What a pipeline schedule *is* lives in its spec (``boostlr.specs.schedule``): the
+    pipeline, validation, the memory model and the cost model read its facts (the torch
+    class, stages per rank, micro-batch constraints, micro-batches in flight, timing), so a
+    new schedule is its spec entry (plus a program, to be simulated)."""
+    found = {
+        name: hits
+        for name, path in modules().items()
+        if name not in SCHEDULE_HOMES and (hits := schedule_comparisons(path.read_text()))
+    }
+    assert not found, found

@@ -8,7 +8,10 @@ on all ranks.
 Along a short training run the same loss / gradient checks repeat at every step from
 identical weights, and a free-running TP curve stays within the reference's own
 sensitivity to rounding (see :func:`free_curve_tolerance`).
-Each world size spawns one process group and checks the whole matrix inside it.
+Both models are built and stepped the trainer's way (``build_stages``, ``ParallelModel``,
+its ``forward_backward`` and ``clip_gradients``), given the same weights by
+:mod:`tp_reference`. Each world size spawns one process group and checks the whole matrix
+inside it.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import torch.distributed as dist
 from distributed import run_distributed
 from fp32_noise import difference_bound, noise_of, relative_error
 from torch.profiler import ProfilerActivity, profile
+from tp_reference import CPU, built, full_grads, load_full, local_grad, shard_of
 
 from boostlr.analysis.comm import per_block_forward, tp_comm_volume
-from boostlr.config import ModelConfig, build_config
+from boostlr.config import ModelConfig, RunConfig, build_config
 from boostlr.models.llama import build_model
-from boostlr.parallel.collectives import CommLedger, GroupComm, all_reduce_
-from boostlr.parallel.context import TPContext
+from boostlr.parallel.engine import ParallelModel
+from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 
 VOCAB = 101  # not divisible by 2 or 4: exercises vocab padding
@@ -44,13 +48,27 @@ FREE_STEPS = 3  # losses on the free-running curves (2 optimizer steps)
 MARGIN = 5.0  # free TP curve: allowed deviation, in units of the reference's sensitivity
 
 
-def tiny_cfg(
-    arch: str, n_kv_heads: int, lax_gate: str = "factored", tie: bool = False
-) -> ModelConfig:
-    overrides = [("model.preset", "tiny"), ("model.arch", arch), ("model.lax_gate", lax_gate)]
-    overrides.append(("model.tie_embeddings", str(tie)))
-    cfg = build_config(overrides=overrides + [("model.n_kv_heads", str(n_kv_heads))]).model
-    cfg.vocab_size = VOCAB
+def run_config(case: dict, tp: int, reference: bool = False) -> RunConfig:
+    """The config the trainer runs ``case`` from at TP ``tp``.
+
+    ``reference``: the one-device model with its own ungrouped math (grouping on at TP 1
+    runs BTP's block).
+    """
+    p = {"tp": tp, "tp_strategy": case["strategy"] or "auto", "act_ckpt": case["act_ckpt"]}
+    p |= {"norm": case.get("norm", "online"), "grouping": case.get("grouping", True)}
+    if reference:
+        p = {"tp": 1, "tp_strategy": "auto", "grouping": False}
+    overrides = {
+        "model.preset": "tiny",
+        "model.arch": case["arch"],
+        "model.lax_gate": case.get("lax_gate", "factored"),
+        "model.tie_embeddings": case.get("tie", False),
+        "model.n_kv_heads": case["n_kv_heads"],
+        "train.seed": 1,
+        **{f"parallel.{k}": v for k, v in p.items()},
+    }
+    cfg = build_config(overrides=[(k, str(v)) for k, v in overrides.items()])
+    cfg.model.vocab_size = VOCAB
     return cfg
 
 
@@ -87,7 +105,7 @@ def matrix(tp: int) -> list[dict]:
     if tp == 1:  # the plain model, as the trainer runs it at TP 1
         cases.append(dict(arch="lax", strategy=None, tie=True, act_ckpt="block"))
         cases.append(dict(arch="cola", strategy=None, act_ckpt="none"))
-        cases.append(dict(arch="svd", strategy=None, act_ckpt="lowrank"))
+        cases.append(dict(arch="svd", strategy=None, act_ckpt="block"))
     for case in cases:
         case["n_kv_heads"] = 2 if tp == 2 else 4  # GQA where the degree allows it
         # Training steps at T 1 and 2. At T 4 (four ranks on CI's two cores every collective
@@ -96,50 +114,41 @@ def matrix(tp: int) -> list[dict]:
     return cases
 
 
-def check_case(case: dict, comm: GroupComm, bf16: bool = False) -> dict:
-    """Run one configuration on this rank; return a small, picklable report."""
+def check_case(case: dict, comms: MeshComms, bf16: bool = False) -> dict:
+    """Run one configuration on this rank; return a small, picklable report.
+
+    Both models are built and stepped as the trainer builds and steps them (``build_stages``,
+    ``ParallelModel``); only their weights are set here, to the same perturbed values.
+    """
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    cfg = tiny_cfg(
-        case["arch"], case["n_kv_heads"], case.get("lax_gate", "factored"), case.get("tie", False)
-    )
-    state = perturbed_state(cfg)
+    cfg = run_config(case, comms.tp.size)
+    state = perturbed_state(cfg.model)
     inputs, targets = batch()
 
-    single = GroupComm(None, "single", CommLedger())
-    plain = build_model(cfg, seed=1)
-    plain.load_state_dict(state)
-    # The reference is the model's own ungrouped math (grouping on at TP 1 runs BTP's block).
-    reference = TensorParallelModel(plain, None, TPContext(single, cfg, grouping=False))
+    reference = built(run_config(case, 1, reference=True), single_process_comms())
+    load_full(reference, state)
     with autocast:
-        ref_loss = reference(inputs, targets)
-    ref_loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_shards()}
+        ref_loss = reference.forward_backward(inputs, targets)
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
     noise = None if bf16 else fp32_noise(reference)
 
-    model = build_model(cfg, seed=1)
-    model.load_state_dict(state)
-    ctx = TPContext(
-        comm,
-        cfg,
-        norm=case.get("norm", "online"),
-        grouping=case.get("grouping", True),
-        act_ckpt=case["act_ckpt"],
-    )
-    tp_model = TensorParallelModel(model, case["strategy"], ctx)
-    comm.ledger.reset()
+    tp_model = built(cfg, comms)
+    load_full(tp_model, state)
+    comms.ledger.reset()
     with autocast:
-        loss = tp_model(inputs, targets)
-    loss.backward()
-    measured = comm.ledger.step_metrics()
+        loss = tp_model.forward_backward(inputs, targets)
+    measured = comms.ledger.step_metrics()
 
-    if cfg.tie_embeddings:  # the tie must survive sharding
-        assert tp_model.model.lm_head.weight is tp_model.model.embed_tokens.weight
-    grads = tp_model.full_grads()
+    if cfg.model.tie_embeddings:  # the tie must survive sharding
+        model = tp_model.stages[0].model
+        assert model.lm_head.weight is model.embed_tokens.weight
+    grads = full_grads(tp_model)
     worst = grad_error(grads, ref_grads)
+    ctx = tp_model.stages[0].ctx
     expected = tp_comm_volume(
-        cfg,
+        cfg.model,
         case["strategy"],
-        comm.size,
+        comms.tp.size,
         BATCH * SEQ,
         norm=ctx.norm,
         grouping=ctx.grouping,
@@ -151,20 +160,13 @@ def check_case(case: dict, comm: GroupComm, bf16: bool = False) -> dict:
         # Step 0 is the check above. The free TP curve goes on from its gradients; then the
         # reference trains from its own, checked against the TP model at every step (its
         # losses are also the reference's free curve); last the jittered reference rerun.
-        norms = grad_norms(reference, tp_model, comm)
+        norms = grad_norms(reference, tp_model)
         steps = [(ref_loss.item(), loss.item(), worst, noise, *norms)]
-        tp_curve = train(tp_model, comm, loss.item(), FREE_STEPS)
-        steps += follow_reference(reference, tp_model, comm)
-        reload(reference, state, ref_grads)  # back to step 0, gradients and all
-        jittered = train(reference, single, ref_loss.item(), FREE_STEPS, jitter=JITTER)
+        tp_curve = train(tp_model, loss.item(), FREE_STEPS)
+        steps += follow_reference(reference, tp_model)
+        load_full(reference, state, ref_grads)  # back to step 0, gradients and all
+        jittered = train(reference, ref_loss.item(), FREE_STEPS, jitter=JITTER)
         curves = ([s[0] for s in steps[:FREE_STEPS]], jittered, tp_curve)
-    replicas_equal = True
-    if comm.size > 1:
-        for name, p in tp_model.named_shards():
-            if tp_model.specs[name].dim is None:
-                copies = [torch.empty_like(p.grad) for _ in range(comm.size)]
-                dist.all_gather(copies, p.grad.contiguous(), group=comm.group)
-                replicas_equal &= all(torch.equal(c, copies[0]) for c in copies)
     return {
         "case": case,
         "loss": loss.item(),
@@ -174,11 +176,25 @@ def check_case(case: dict, comm: GroupComm, bf16: bool = False) -> dict:
         "grads_complete": set(grads) == set(ref_grads),
         "ledger": measured,
         "formula": expected,
-        "replicas_equal": replicas_equal,
-        "tp": comm.size,
+        "replicas_equal": replicas_equal(tp_model),
+        "tp": comms.tp.size,
         "steps": steps,
         "curves": curves,
     }
+
+
+def replicas_equal(model: ParallelModel) -> bool:
+    """Whether every replicated parameter has the same gradient on all TP ranks."""
+    tp, part = model.comms.tp, model.stages[0]
+    equal = True
+    if tp.size > 1:
+        for name, p in model.named_parameters():
+            if part.specs[name].dim is None:
+                g = local_grad(p).contiguous()
+                copies = [torch.empty_like(g) for _ in range(tp.size)]
+                dist.all_gather(copies, g, group=tp.group)
+                equal &= all(torch.equal(c, copies[0]) for c in copies)
+    return equal
 
 
 def grad_error(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
@@ -188,111 +204,62 @@ def grad_error(grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor
     )
 
 
-def fp32_noise(reference: TensorParallelModel) -> float:
+def fp32_noise(reference: ParallelModel) -> float:
     """The single-device model's own fp32 gradient error against a float64 copy of it at its
     current weights, on the test batch (its gradients must be in place)."""
-    exact = TensorParallelModel(copy.deepcopy(reference.model).double(), None, reference.ctx)
+    part = reference.stages[0]
+    exact = TensorParallelModel(copy.deepcopy(part.model).double(), None, part.ctx)
     exact.zero_grad(set_to_none=True)
     inputs, targets = batch()
     exact(inputs, targets).backward()
-    exact_grads = {n: p.grad for n, p in exact.named_shards()}
-    return noise_of(((n, p.grad) for n, p in reference.named_shards()), exact_grads)
+    exact_grads = {n: p.grad for n, p in exact.model.named_parameters()}
+    return noise_of(((n, p.grad) for n, p in reference.named_parameters()), exact_grads)
 
 
-def shard_error(tp_model: TensorParallelModel, reference: TensorParallelModel) -> float:
+def shard_error(tp_model: ParallelModel, reference: ParallelModel) -> float:
     """:func:`grad_error` of this rank's shards against the same slices of the reference.
 
     Normalised by the whole reference tensor, so the worst over the ranks (each rank's
     report is asserted) is :func:`grad_error` of the gathered gradients, without gathering.
     """
-    ref_grads = {n: p.grad for n, p in reference.named_shards()}
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     errors = [torch.zeros(())]
-    for name, p in tp_model.named_shards():
+    for name, p in tp_model.named_parameters():
         g = ref_grads[name]
         if p.grad is None:
             return float("inf")
-        if p.numel():  # a shard can be empty when TP does not divide the dim
-            diff = (p.grad - tp_model.shard_of(name, g)).abs().max()
+        mine = local_grad(p)
+        if mine.numel():  # a shard can be empty when TP does not divide the dim
+            diff = (mine - shard_of(tp_model, name, g)).abs().max()
             errors.append(diff / g.abs().max().clamp_min(1e-12))
     return torch.stack(errors).max().item()
 
 
-def grad_norms(
-    reference: TensorParallelModel, tp_model: TensorParallelModel, comm: GroupComm
-) -> tuple[float, float]:
-    """Global gradient norms as clipping sees them (collective on the TP ranks)."""
-    ref_misc = GroupComm(None, "tp_misc", reference.ctx.comm.ledger)
-    misc = GroupComm(comm.group, "tp_misc", comm.ledger)
-    return grad_norm(reference, ref_misc).item(), grad_norm(tp_model, misc).item()
+def grad_norms(reference: ParallelModel, tp_model: ParallelModel) -> tuple[float, float]:
+    """Global gradient norms as the trainer's clipping computes them (nothing clipped:
+    ``max_norm`` 0; a collective on the TP ranks)."""
+    return reference.clip_gradients(0.0).item(), tp_model.clip_gradients(0.0).item()
 
 
-def grad_norm(model: TensorParallelModel, misc: GroupComm) -> torch.Tensor:
-    """Global L2 norm of a sliced TP model's gradients (plain shards, not DTensors).
-
-    The trainer clips DTensor shards with ``ParallelModel.clip_gradients``; these tests drive
-    :class:`TensorParallelModel`'s slicing constructor directly, so they sum the sharded
-    squares over the TP ranks and count replicated tensors once.
-    """
-    sharded = torch.zeros((), dtype=torch.float32)
-    replicated = torch.zeros((), dtype=torch.float32)
-    for name, p in model.named_shards():
-        if p.grad is not None:
-            sq = p.grad.detach().float().pow(2).sum()
-            if model.specs[name].dim is None:
-                replicated += sq
-            else:
-                sharded += sq
-    all_reduce_(sharded, misc, "grad_norm")
-    return (sharded + replicated).sqrt()
-
-
-def clip_gradients(model: TensorParallelModel, max_norm: float, misc: GroupComm) -> None:
-    """Clip by the whole model's norm, identically on every TP rank (as the trainer does)."""
-    total = grad_norm(model, misc)
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(scale)
-
-
-def reload(
-    model: TensorParallelModel,
-    weights: dict[str, torch.Tensor],
-    grads: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Set every shard to its slice of the full ``weights`` (and ``grads``, else none).
-
-    Local: every rank slices the same full tensors, so no collective is needed.
-    """
-    with torch.no_grad():
-        for name, p in model.named_shards():
-            p.copy_(model.shard_of(name, weights[name]))
-            p.grad = None if grads is None else model.shard_of(name, grads[name])
-
-
-def adamw(model: TensorParallelModel) -> torch.optim.AdamW:
+def adamw(model: ParallelModel) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
 
-def step_once(model: TensorParallelModel) -> float:
+def step_once(model: ParallelModel) -> float:
     """Forward and backward on the test batch; returns the loss."""
     inputs, targets = batch()
-    model.zero_grad(set_to_none=True)
-    loss = model(inputs, targets)
-    loss.backward()
-    return loss.item()
+    for p in model.parameters():
+        p.grad = None
+    return model.forward_backward(inputs, targets).item()
 
 
-def train(
-    model: TensorParallelModel, comm: GroupComm, first_loss: float, n: int, jitter: float = 0.0
-) -> list[float]:
+def train(model: ParallelModel, first_loss: float, n: int, jitter: float = 0.0) -> list[float]:
     """``first_loss`` (its gradients in place) and the next ``n - 1`` losses of clipped AdamW.
 
     ``jitter`` adds a seeded ``+-jitter * max|g|`` to every element of each gradient tensor
     before every update (for the reference, whose tensors are whole).
     """
     opt = adamw(model)
-    misc = GroupComm(comm.group, "tp_misc", comm.ledger)
     gen = torch.Generator().manual_seed(5)
     losses = [first_loss]
     for _ in range(n - 1):
@@ -301,15 +268,13 @@ def train(
                 for p in model.parameters():
                     signs = torch.randint(0, 2, p.shape, generator=gen) * 2 - 1
                     p.grad.add_(signs * (jitter * p.grad.abs().max()))
-        clip_gradients(model, MAX_NORM, misc)
+        model.clip_gradients(MAX_NORM)
         opt.step()
         losses.append(step_once(model))
     return losses
 
 
-def follow_reference(
-    reference: TensorParallelModel, tp_model: TensorParallelModel, comm: GroupComm
-) -> list[tuple[float, ...]]:
+def follow_reference(reference: ParallelModel, tp_model: ParallelModel) -> list[tuple[float, ...]]:
     """Steps 1 .. STEPS-1 of the reference's own training, each checked from equal weights.
 
     The reference (step 0's gradients in place) takes its clipped AdamW steps; before each
@@ -321,17 +286,16 @@ def follow_reference(
     same order.
     """
     opt = adamw(reference)
-    misc = GroupComm(None, "tp_misc", reference.ctx.comm.ledger)
     out = []
     for _ in range(STEPS - 1):
-        clip_gradients(reference, MAX_NORM, misc)
+        reference.clip_gradients(MAX_NORM)
         opt.step()
         ref_loss = step_once(reference)
-        reload(tp_model, dict(reference.named_shards()))
+        load_full(tp_model, dict(reference.named_parameters()))
         loss = step_once(tp_model)
         error = shard_error(tp_model, reference)
         noise = fp32_noise(reference)
-        out.append((ref_loss, loss, error, noise, *grad_norms(reference, tp_model, comm)))
+        out.append((ref_loss, loss, error, noise, *grad_norms(reference, tp_model)))
     return out
 
 
@@ -356,8 +320,9 @@ def free_curve_tolerance(single: list[float], jittered: list[float]) -> list[flo
 
 
 def run_matrix(rank: int, world_size: int) -> list[dict]:
-    comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
-    return [check_case(case, comm) for case in matrix(world_size)]
+    cases = matrix(world_size)
+    comms = build_mesh(run_config(cases[0], world_size).parallel, CPU)  # one mesh for all
+    return [check_case(case, comms) for case in cases]
 
 
 def assert_reports(reports: list[dict]) -> None:
@@ -406,8 +371,9 @@ BF16_CASES = [
 
 
 def run_bf16(rank: int, world_size: int) -> list[dict]:
-    comm = GroupComm(dist.group.WORLD, "tp", CommLedger())
-    return [check_case({**c, "n_kv_heads": 2}, comm, bf16=True) for c in BF16_CASES]
+    cases = [{**c, "n_kv_heads": 2} for c in BF16_CASES]
+    comms = build_mesh(run_config(cases[0], world_size).parallel, CPU)
+    return [check_case(case, comms, bf16=True) for case in cases]
 
 
 def test_bf16_autocast_payloads_match_the_formula() -> None:
@@ -421,8 +387,7 @@ def test_bf16_autocast_payloads_match_the_formula() -> None:
 
 
 def test_strategies_at_tp1_run_the_same_math_without_communication() -> None:
-    comm = GroupComm(None, "tp", CommLedger())
-    reports = [check_case(case, comm) for case in matrix(1)]
+    reports = [check_case(case, single_process_comms()) for case in matrix(1)]
     assert_reports(reports)
     assert all(r["ledger"]["comm_tp_calls"] == 0 for r in reports)
 
@@ -453,12 +418,8 @@ def test_btp_moves_fewer_bytes_than_vanilla_and_megatron() -> None:
 
 def _forward_memory(act_ckpt: str) -> int:
     """Bytes allocated and still held at the end of the forward: the saved activations."""
-    cfg = tiny_cfg("cola", 4)
-    model = TensorParallelModel(
-        build_model(cfg, seed=0),
-        "btp",
-        TPContext(GroupComm(None, "tp", CommLedger()), cfg, act_ckpt=act_ckpt),
-    )
+    case = dict(arch="cola", strategy="btp", act_ckpt=act_ckpt, n_kv_heads=4)
+    model = built(run_config(case, 1), single_process_comms()).stages[0]
     tokens = torch.randint(0, VOCAB, (4, 129), generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = model(tokens[:, :-1], tokens[:, 1:])

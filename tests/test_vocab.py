@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
+from tp_reference import CPU, built, full_grads
 
 from boostlr.config import build_config
 from boostlr.models.llama import build_model
 from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.head_loss import head_cross_entropy
+from boostlr.parallel.mesh import build_mesh
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.parallel.vocab import (
     gather_batch,
@@ -128,8 +130,12 @@ def _check_embedding(comm: GroupComm, vocab: int) -> dict:
 
 
 def _check_model(comm: GroupComm) -> dict:
-    """A tiny dense model at V=5 under Megatron TP 4 against the single-device model."""
-    cfg = build_config(overrides=[("model.preset", "tiny"), ("model.arch", "full")]).model
+    """A tiny dense model at V=5 under Megatron TP 4, built as the trainer builds it (its
+    ranks' vocabulary slices 2, 2, 1, 0), against the single-device model."""
+    overrides = [("model.preset", "tiny"), ("model.arch", "full"), ("train.seed", "1")]
+    overrides += [("parallel.tp", str(comm.size)), ("parallel.tp_strategy", "megatron")]
+    run_cfg = build_config(overrides=overrides)
+    cfg = run_cfg.model
     cfg.vocab_size = 5
     tokens = torch.randint(0, 5, (2, 9), generator=torch.Generator().manual_seed(3))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -137,13 +143,12 @@ def _check_model(comm: GroupComm) -> dict:
     reference = TensorParallelModel(build_model(cfg, seed=1), None, TPContext(single, cfg))
     ref_loss = reference(inputs, targets)
     ref_loss.backward()
-    tp_model = TensorParallelModel(build_model(cfg, seed=1), "megatron", TPContext(comm, cfg))
-    loss = tp_model(inputs, targets)
-    loss.backward()
-    grads = tp_model.full_grads()
+    tp_model = built(run_cfg, build_mesh(run_cfg.parallel, CPU))
+    loss = tp_model.forward_backward(inputs, targets)
+    grads = full_grads(tp_model)
     worst = max(
         ((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
-        for n, p in reference.named_shards()
+        for n, p in reference.model.named_parameters()
     )
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "worst_grad_error": worst}
 

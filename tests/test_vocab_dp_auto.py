@@ -16,7 +16,14 @@ from test_train import tiny_run_config
 from boostlr.analysis import plan
 from boostlr.analysis.costmodel import planning_config
 from boostlr.analysis.hardware import load_profile
-from boostlr.config import build_config, dump_toml, from_dict, vocab_dp_rule, vocab_over_dp
+from boostlr.config import (
+    build_config,
+    dump_toml,
+    from_dict,
+    resolve,
+    vocab_dp_rule,
+    vocab_over_dp,
+)
 from boostlr.data.loader import TokenDataset
 from boostlr.errors import ConfigError
 from boostlr.train import run as trainer
@@ -85,11 +92,11 @@ def test_unknown_vocabulary_waits_and_the_trainer_and_planner_resolve_it(
     cfg = tiny_run_config(small_dataset, **{"parallel.dp": 2, "data.seq_len": 128})
     assert cfg.parallel.vocab_dp == "auto"
     assert "vocab_dp" in dump_toml(cfg)
-    trainer.bind_vocab(cfg, TokenDataset(small_dataset, "train"))
+    cfg = resolve(cfg, TokenDataset(small_dataset, "train"))
     v = cfg.model.vocab_size
     assert 2 * 4 * 128 > 1.5 * v and cfg.parallel.vocab_dp is False
     short = tiny_run_config(small_dataset, **{"parallel.dp": 2})  # 2 x 4 x 32 < 1.5 V
-    trainer.bind_vocab(short, TokenDataset(small_dataset, "train"))
+    short = resolve(short, TokenDataset(small_dataset, "train"))
     assert short.parallel.vocab_dp is True
     # The planner takes the preset's vocabulary, then resolves (a copy: cfg is not written).
     planned = build_config(overrides=[("model.preset", "7B"), ("parallel.dp", "4")])

@@ -26,15 +26,7 @@ from pathlib import Path
 import torch
 
 from boostlr.analysis.hardware import GB, HardwareProfile, Link, load_profile, user_dir
-from boostlr.parallel.device import (
-    backend_for,
-    can_pair,
-    claim_device,
-    describe,
-    resolve_device,
-    runs_on_host,
-    synchronize,
-)
+from boostlr.platform import platform_for, resolve_device
 
 GEMM_SHAPES = (
     [(2048, k, 2048) for k in (32, 64, 128, 256, 512, 1024, 2048)]
@@ -49,13 +41,14 @@ ALLREDUCE_BYTES = tuple(4**i * 64 * 2**10 for i in range(6))  # 64 KiB .. 64 MiB
 
 def _time(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
     """Median seconds of ``fn`` after a warm-up (CUDA: synchronised around each call)."""
+    sync = platform_for(device).synchronize
     fn()
-    synchronize(device)
+    sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -94,7 +87,7 @@ def fit_gemm(samples: list[tuple], bandwidth: float, launch: float, elem: int) -
 def measure_memory(device: torch.device) -> tuple[float, float, float]:
     """(copy bytes/s, element-wise fraction of it, seconds per small kernel of a training
     step: its forward under autograd and its backward, so dispatch counts as on a step)."""
-    n = 8 * 2**20 if runs_on_host(device) else 64 * 2**20
+    n = 8 * 2**20 if platform_for(device).is_host else 64 * 2**20
     a, b = torch.randn(n, device=device), torch.randn(n, device=device)
     dst = torch.empty_like(a)
     copy = 2 * n * 4 / _time(lambda: dst.copy_(a), device)
@@ -143,9 +136,10 @@ def _allreduce_rank(rank: int, port: int, kind: str, queue) -> None:
     import torch.distributed as dist
 
     try:
-        device = claim_device(kind, rank)
+        platform = platform_for(kind)
+        device = platform.claim(rank)
         dist.init_process_group(
-            backend_for(device),
+            platform.backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=2,
@@ -212,7 +206,8 @@ def calibrate(
     """Measure the device at hand and write the ``local`` profile (``threads``: torch
     threads on a CPU, as one rank of a local run uses)."""
     device = resolve_device("auto")
-    cuda = not runs_on_host(device)
+    platform = platform_for(device)
+    cuda = not platform.is_host
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -228,13 +223,13 @@ def calibrate(
     finally:
         torch.set_num_threads(saved)
     attention_eff = fit_attention(attention, peak, eff, half)
-    if can_pair(device):
+    if platform.can_pair():
         samples = measure_allreduce(device)
         link, link_source = fit_allreduce(samples, launch), "2-process all-reduce"
     else:
         samples, template = [], load_profile(like)
         link, link_source = template.intra, f"not measured (one GPU): {like}'s"
-    name, memory, per_node = describe(device)
+    name, memory, per_node = platform.describe(device)
     peaks = (
         {"bfloat16": peak, "float32": other_peak}
         if cuda

@@ -305,7 +305,7 @@ def run_eval(
             f"data.seq_len {cfg.data.seq_len} must be in [1, model.max_seq_len "
             f"{cfg.model.max_seq_len}]: pass another --data.seq_len"
         )
-    from boostlr.parallel.device import resolve_device
+    from boostlr.platform import resolve_device
 
     device = resolve_device(cfg.parallel.device)
     data_path = cfg.data.path or own_dataset(Path(path), cfg)

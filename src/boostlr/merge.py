@@ -17,6 +17,7 @@ import torch
 
 from boostlr.config import ModelConfig
 from boostlr.errors import BoostlrError
+from boostlr.specs.arch import FULL, arch_spec
 from boostlr.stream_safetensors import TensorInfo
 
 DOWN, UP = ".down.weight", ".up.weight"
@@ -24,9 +25,12 @@ DOWN, UP = ".down.weight", ".up.weight"
 
 def check_mergeable(cfg: ModelConfig) -> None:
     """Refuse, in one line, what has no dense LLaMA form."""
-    if cfg.arch == "full":
-        raise BoostlrError("--merge-svd: arch full is already dense: export without --merge-svd")
-    if cfg.arch != "svd":
+    arch = arch_spec(cfg.arch)
+    if not arch.lowrank:
+        raise BoostlrError(
+            f"--merge-svd: arch {cfg.arch} is already dense: export without --merge-svd"
+        )
+    if not arch.mergeable:
         raise BoostlrError(
             f"--merge-svd: arch {cfg.arch} computes B silu(...A x) with a nonlinearity between "
             "its factors, so no dense weight equals it: export without --merge-svd (a "
@@ -42,7 +46,7 @@ def check_mergeable(cfg: ModelConfig) -> None:
 
 def merged_config(cfg: ModelConfig) -> ModelConfig:
     """The dense model the merge writes: arch ``full``, SwiGLU, same shape."""
-    return dataclasses.replace(cfg, arch="full", mlp="swiglu", rank=None)
+    return dataclasses.replace(cfg, arch=FULL.name, mlp="swiglu", rank=None)
 
 
 def merged_tensors(

@@ -33,6 +33,7 @@ from boostlr.analysis.gemms import (
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import FP32, RankParams, stage_modules
 from boostlr.config import ModelConfig, ParallelConfig, RunConfig
+from boostlr.specs.arch import arch_spec
 
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
 # foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
@@ -128,6 +129,7 @@ class StageTime:
 def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
+    crossing = arch_spec(m.arch).crossing
     seqs, _, _ = microbatching(cfg)
     s, a = cfg.data.seq_len, act_size(cfg)
     tokens = seqs * s
@@ -138,7 +140,7 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
         fwd = bwd = 0.0
         per_layer: dict[bool, tuple[float, float, float]] = {}
         for layer in layers:
-            key = layer == 0 and m.arch == "lax"  # LaX's block 0 has no crossing gate
+            key = layer == 0 and crossing  # a crossing arch's block 0 has no crossing gate
             if key not in per_layer:
                 gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
                 back = [b for g in gemms for b in backward(g)]

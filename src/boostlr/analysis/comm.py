@@ -1,6 +1,8 @@
 """Exact per-step tensor-parallel communication of each strategy (docs/design.md §2–§3).
 
-These formulas mirror the collectives the strategies issue, call for call; the tests check
+Each strategy's collectives per block, on a first and on a last stage are functions of the
+shapes in its spec (:mod:`boostlr.specs.strategy`); this module sums them over a stage. They
+mirror the collectives the strategies issue, call for call; the tests check
 them against the communication ledger of real gloo runs, so they can be trusted for
 planning runs that are too large to execute here. Counts are per rank and per micro-batch
 (forward + backward, plus the checkpoint re-forward), as payload bytes and calls.
@@ -11,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from boostlr.config import ModelConfig, ParallelConfig
-from boostlr.models.shapes import linear_shapes
+from boostlr.specs.arch import arch_spec
+from boostlr.specs.strategy import FP32, BlockShape, spec_or_none, strategy_spec
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,10 @@ class CommVolume:
         }
 
 
-FP32 = 4
+def block_shape(cfg: ModelConfig, tokens: int, act_size: int = FP32) -> BlockShape:
+    """The numbers a strategy's traffic depends on, for a micro-batch of ``tokens``."""
+    crossing = arch_spec(cfg.arch).crossing
+    return BlockShape(tokens, cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.rank or 0, act_size, crossing)
 
 
 def tp_comm_volume(
@@ -72,49 +78,21 @@ def tp_comm_volume(
     """
     if tp == 1:
         return CommVolume(0, 0, 0, 0, 0, 0)
-    embed = 1 if first else 0  # vocab-parallel embedding (megatron, vanilla)
+    spec = strategy_spec(strategy)
+    embed = 1 if first else 0
     head = 1 if last else 0
-    T, d, L, a = tokens, cfg.dim, cfg.n_layers, act_size
-    ce_fwd, ce_calls = 3 * T * vocab_dp * FP32, 3  # max, sum of exps, target logit: each [T]
-    if strategy == "megatron":
-        block_fwd, block_calls_fwd = 2 * T * d * a, 2
-        block_bwd, block_calls_bwd = 2 * T * d * a, 2
-        fwd = embed * T * d * FP32 + L * block_fwd + head * ce_fwd  # + vocab-parallel embedding
-        calls_fwd = embed + L * block_calls_fwd + head * ce_calls
-        bwd = L * block_bwd + head * T * d * a  # + the LM head's input grad
-        calls_bwd = L * block_calls_bwd + head
-    elif strategy == "vanilla":
-        shapes = linear_shapes(cfg).values()
-        lax_gather = 7 * T * cfg.rank * a if cfg.arch == "lax" else 0
-        lax_calls = 7 if cfg.arch == "lax" else 0
-        block_fwd = T * sum(d_out for _, d_out in shapes) * a + lax_gather
-        block_calls_fwd = 7 + lax_calls
-        # copy_to_group on each distinct A input: norm(x) twice, attention out, MLP product.
-        block_bwd = T * (3 * d + cfg.ffn_dim) * a + lax_gather
-        block_calls_bwd = 4 + lax_calls
-        fwd = embed * T * d * FP32 + L * block_fwd + head * ce_fwd
-        calls_fwd = embed + L * block_calls_fwd + head * ce_calls
-        bwd = L * block_bwd + head * T * d * a
-        calls_bwd = L * block_calls_bwd + head
-    elif strategy == "btp":
-        r = cfg.rank
-        # Seven [T, r] latents + two norms' [T, 1] statistics in fp32 precision (under bf16
-        # a hi/lo pair of bf16 columns: the same bytes).
-        block_fwd = T * 7 * r * a + 2 * T * FP32
-        block_bwd = T * 7 * r * a
-        block_calls_fwd, block_calls_bwd = (4, 4) if grouping else (7, 7)
-        if norm == "sync":
-            block_calls_fwd += 2  # the statistics travel on their own
-        # gather of the last hidden state (fp32 residual) and the final norm gain (as used)
-        final = head * (T * d * FP32 + d * a)
-        fwd = L * block_fwd + final + head * ce_fwd
-        calls_fwd = L * block_calls_fwd + head * (2 + ce_calls)
-        bwd = L * block_bwd + final  # their reduce-scatters
-        calls_bwd = L * block_calls_bwd + head * 2
-    else:
-        raise ValueError(f"unknown TP strategy {strategy!r}")
+    shape = block_shape(cfg, tokens, act_size)
+    L = cfg.n_layers
+    ce_fwd, ce_calls = 3 * tokens * vocab_dp * FP32, 3  # max, sum of exps, target logit: [T]
+    block = spec.block_traffic(shape, grouping, norm)
+    edge_in, edge_out = spec.first_traffic(shape), spec.last_traffic(shape)
+    fwd = embed * edge_in.fwd + L * block.fwd + head * (edge_out.fwd + ce_fwd)
+    calls_fwd = embed * edge_in.calls_fwd + L * block.calls_fwd
+    calls_fwd += head * (edge_out.calls_fwd + ce_calls)
+    bwd = embed * edge_in.bwd + L * block.bwd + head * edge_out.bwd
+    calls_bwd = embed * edge_in.calls_bwd + L * block.calls_bwd + head * edge_out.calls_bwd
     if act_ckpt == "block":  # the whole block re-forward re-issues its collectives
-        recompute, calls_recompute = L * block_fwd, L * block_calls_fwd
+        recompute, calls_recompute = L * block.fwd, L * block.calls_fwd
     else:  # "none", or "lowrank" whose regions hold no collective
         recompute, calls_recompute = 0, 0
     return CommVolume(fwd, bwd, recompute, calls_fwd, calls_bwd, calls_recompute)
@@ -146,10 +124,11 @@ def pp_send_bytes(
     ``boostlr.parallel.tensor_parallel.boundary_dtypes`` declares; each gradient travels
     back in its activation's dtype.
     """
-    d = cfg.dim // tp if strategy == "btp" else cfg.dim
+    spec = spec_or_none(strategy)
+    d = spec.residual_width(cfg.dim, tp) if spec else cfg.dim
     residual = micro_tokens * d * FP32
     fwd = bwd = residual
-    if cfg.arch == "lax":
+    if arch_spec(cfg.arch).crossing:
         fwd += 7 * micro_tokens * cfg.rank * act_size
         bwd += 7 * micro_tokens * cfg.rank * act_size
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
@@ -191,7 +170,8 @@ def vocab_dp_bytes(
     T, ids = split_dp * tokens, 8
     out = 0
     if first:
-        cols = cfg.dim // tp if strategy == "btp" else cfg.dim
+        spec = spec_or_none(strategy)
+        cols = spec.residual_width(cfg.dim, tp) if spec else cfg.dim
         out += T * ids + 2 * T * cols * FP32
     if last:
         out += T * ids + 2 * T * cfg.dim * act_size + 3 * T * FP32

@@ -11,7 +11,8 @@ formulas the tests check against the ledger of real runs (``comm_metrics`` is ex
 * the pipeline as torch's schedule runs it (:mod:`boostlr.analysis.schedule`): every rank's
   program of chunks and point-to-point exchanges (``α + n/B`` per boundary, on the link the
   pp ranks span; ranks laid out tp-fastest, then dp, then pp), timed; the bubble is what
-  the slowest rank waits; interleaved keeps ``(m·v + p - 1)`` slots of one virtual stage;
+  the slowest rank waits; interleaved keeps ``(m·v + p - 1)`` slots of one virtual stage
+  (how each schedule is timed is its spec's, ``specs/schedule.py``);
 * overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; under a
   pipeline in ``ddp`` mode the stage's gradient reduction after the last backward is exposed
   whole.
@@ -59,6 +60,9 @@ from boostlr.analysis.memory import (
 from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
 from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
+from boostlr.specs.arch import arch_spec
+from boostlr.specs.schedule import VIRTUAL_SLOTS, schedule_spec
+from boostlr.specs.strategy import spec_or_none
 
 __all__ = [  # the time primitives live in chunktime; callers import them from here too
     "CLIP_PASSES",
@@ -179,6 +183,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
+    spec = spec_or_none(strategy)
     seqs, _, _ = microbatching(cfg)
     tokens = seqs * cfg.data.seq_len
     a = act_size(cfg)
@@ -218,9 +223,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         # The final norm, outside every block (rms_norm's fp32 input and x·rsqrt and its
         # output's GEMM cast; BTP's folded one: its fp32 slice, normalised and gained).
         # Under recompute the peak is a block's re-forward, after the norm's backward.
-        res = m.dim // p.tp if strategy == "btp" else m.dim
+        res = spec.residual_width(m.dim, p.tp) if spec else m.dim
         if p.act_ckpt == "none":
-            acts += tokens * res * (FP32 + 2 * a if strategy == "btp" else 2 * FP32 + a)
+            folded = spec is not None and spec.bottleneck_regions
+            acts += tokens * res * (FP32 + 2 * a if folded else 2 * FP32 + a)
         # The fused head keeps one [tokens, vocab] buffer in the compute dtype (a pipeline's
         # last stage too: its forward ends in the loss); the unfused loss about three, two of
         # them fp32.
@@ -232,7 +238,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             acts += split_dp * tokens * m.dim * a
     if any(first for _, first, _ in stages) and split_dp > 1:
         # every dp rank's partial embeddings, until their reduce-scatter
-        acts += split_dp * tokens * (m.dim // p.tp if strategy == "btp" else m.dim) * FP32
+        acts += split_dp * tokens * (spec.residual_width(m.dim, p.tp) if spec else m.dim) * FP32
     out["activations"] = acts
     if cfg.train.grad_accum * (p.pp_microbatches if p.pp > 1 else 1) > 1 and params.head_own_grad:
         # The next micro-batch's head gradient, made before it is added to the held one.
@@ -273,7 +279,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         one = pp_send_bytes(m, strategy, p.tp, seqs * cfg.data.seq_len, 1, False, True, a)
         bw, alpha = link_bandwidth(hw, 2, p.world_size)
         hop = alpha + hw.launch + one / bw  # one boundary, either way (a grad is its act's size)
-        if v > 1:  # interleaved: Megatron's slot count, one hop each way per slot
+        if schedule_spec(p.pp_schedule).timing == VIRTUAL_SLOTS:  # one hop each way per slot
             span0 = interleaved_span(mb, v, p.pp, slowest.total)
             span = span0 + (mb * v + p.pp - 1) * 2 * hop
         else:  # torch's own program for every rank, timed (analysis/schedule.py)
@@ -367,7 +373,7 @@ def _all_stage_times(cfg: RunConfig, hw: HardwareProfile) -> list[StageTime]:
     for r in range(p.pp):
         stages = stage_modules(p, n, r)
         shape = tuple((len(ls), ls.start, first, last) for ls, first, last in stages)
-        if cfg.model.arch != "lax":  # only LaX's block 0 differs from the others
+        if not arch_spec(cfg.model.arch).crossing:  # only a crossing arch's block 0 differs
             shape = tuple((k, first, last) for k, _, first, last in shape)
         if shape not in seen:
             seen[shape] = stage_time(cfg, hw, r)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
 from boostlr.models.shapes import linear_shapes
+from boostlr.specs.arch import arch_spec
+from boostlr.specs.strategy import BlockShape, StrategySpec, Traffic, spec_or_none
 
 FP32 = 4
 
@@ -67,7 +69,7 @@ def _lowrank(name: str, tokens: int, d_in: int, d_out: int, r: int) -> list[Gemm
 
 def _lax_gates(cfg: ModelConfig, tokens: int, layer: int, names: tuple[str, ...]) -> list[Gemm]:
     """LaX crossings on replicated ``[T, r]`` latents (every rank computes them whole)."""
-    if cfg.arch != "lax" or layer == 0:
+    if not arch_spec(cfg.arch).crossing or layer == 0:
         return []
     r, gr = cfg.rank, cfg.lax_gate_rank
     out = []
@@ -102,21 +104,22 @@ def block_gemms(
     shapes = linear_shapes(cfg)
     names = tuple(shapes)
     out: list[Gemm] = []
-    if cfg.arch == "full":
+    s = spec_or_none(strategy)
+    if not arch_spec(cfg.arch).lowrank:
         # Megatron: q/k/v/gate/up split their output, o/down their input (tp 1: whole).
         for n, (d_in, d_out) in shapes.items():
             col = n not in ("o_proj", "down_proj")
             out.append(Gemm(n, T, d_in, d_out // t) if col else Gemm(n, T, d_in // t, d_out))
         return out + attention_gemms(cfg, batch, seq, cfg.n_heads // t)
     r = cfg.rank
-    if strategy in (None, "vanilla"):
+    if s is None or s.splits_rank:
         rt = r // t  # vanilla splits r (tp 1: the plain model)
         for n, (d_in, d_out) in shapes.items():
             out += _lowrank(n, T, d_in, d_out, rt)
         # Vanilla all-reduces q/k/v to full width: every rank runs every head.
         out += _lax_gates(cfg, T, layer, names)
         return out + attention_gemms(cfg, batch, seq, cfg.n_heads)
-    if strategy != "btp":
+    if not s.bottleneck_regions:
         raise ValueError(f"strategy {strategy!r} does not apply to arch {cfg.arch}")
     d, kv, f = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t
     if grouping:
@@ -150,14 +153,12 @@ def head_gemms(cfg: ModelConfig, strategy: str | None, tp: int, tokens: int) -> 
 # 1 (plus its small result). Read from the code's ops (``benchmarks/census.py`` compares the
 # totals with what torch dispatches on a CPU).
 NORM = (7, 24)  # rms_norm: pow, mean, x * rsqrt, gain * x; backward: 14 kernels
-SILU = (2, 3)  # σ: silu; silu_backward
 PRODUCT = (3, 6)  # g * u
 SWIGLU = (5, 9)  # silu(g) * u
 RESIDUAL = 3  # x + y (its backward passes the gradient through)
 REUSE = 3  # backward: one more consumer of a tensor adds its gradient (g1 + g2)
 CLONE = 2  # a collective's copy of its payload into a fresh buffer (read + write)
-LAX_LATENT = (12, 30)  # LaX per linear: a + G(z), LN_r, σ; backward incl. z's second consumer
-LAX_LATENT_FIRST = (9, 30)  # block 0: no crossing gate
+# Each latent's own passes (σ, LaX's crossing) are its arch's: ``ArchSpec.latent_passes``.
 
 
 @dataclass(frozen=True)
@@ -180,13 +181,15 @@ def _attention_passes(q: int, kv: int) -> tuple[int, int]:
     return fwd, bwd
 
 
-def _latent_passes(cfg: ModelConfig, layer: int) -> tuple[int, int]:
-    """(fwd, bwd) passes per element of one linear's latent, by arch."""
-    if cfg.arch == "cola":
-        return SILU
-    if cfg.arch == "lax":
-        return LAX_LATENT if layer > 0 else LAX_LATENT_FIRST
-    return 0, 0  # svd: no activation
+def _bottleneck_block(s: StrategySpec | None, lowrank: bool, grouping: bool) -> bool:
+    """Whether BTP's block runs: under BTP, or on one device for a grouped low-rank model."""
+    return s.bottleneck_regions if s else lowrank and grouping
+
+
+def _collectives(cfg: ModelConfig, s: StrategySpec, tokens: int, act: int) -> Traffic:
+    """The strategy's block traffic without crossing latents (what its own regions send)."""
+    shape = BlockShape(tokens, cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.rank or 0, act)
+    return s.block_traffic(shape, True, "online")
 
 
 def block_elementwise(
@@ -205,35 +208,35 @@ def block_elementwise(
     bf16 autocast 2: the norms' fp32 internals and autocast's casts are not modelled).
     """
     t = tp if strategy else 1
-    if strategy == "btp" or (strategy is None and cfg.lowrank and grouping):
-        # BTP's block (also what one device runs for a grouped low-rank model).
+    s, arch = spec_or_none(strategy), arch_spec(cfg.arch)
+    if _bottleneck_block(s, cfg.lowrank, grouping):
         return _btp_elementwise(cfg, t, tokens, act, layer, grouping, overlap)
     d, kv, f, r = cfg.dim, cfg.kv_dim, cfg.ffn_dim, cfg.rank or 0
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
-    lat_f, lat_b = _latent_passes(cfg, layer)
-    q, k, ff = (d // t, kv // t, f // t) if strategy == "megatron" else (d, kv, f)
+    lat_f, lat_b = arch.passes(layer)
+    w = 1 if s is None or s.replicates_heads else t  # vanilla replicates heads and f
+    q, k, ff = d // w, kv // w, f // w
     att_f, att_b = _attention_passes(q, k)
     fwd = 2 * NORM[0] * d + att_f + mlp_f * ff + 2 * RESIDUAL * d
     bwd = 2 * NORM[1] * d + att_b + mlp_b * ff
     # The residual stream feeds a norm and an add; the norm's output feeds 3 (q, k, v) and
     # 2 (gate, up) linears: each extra consumer adds a gradient in the backward.
     bwd += REUSE * (2 * d + 2 * d + d)
-    if strategy == "megatron" and t > 1:
-        fwd += CLONE * 2 * d  # o and down all-reduce copies
-        bwd += CLONE * 2 * d  # attn_in and mlp_in: the backward all-reduce copies
+    if s is not None and t > 1:
+        # Each collective copies its payload first (megatron: o and down forward, attn_in
+        # and mlp_in backward; vanilla: every B's output forward, the four regions' input
+        # grads backward).
+        sent = _collectives(cfg, s, 1, 1)
+        fwd += CLONE * sent.fwd
+        bwd += CLONE * sent.bwd
     if cfg.lowrank:
-        rl = r // t if strategy == "vanilla" else r  # vanilla splits r
-        r_lat = r if cfg.arch == "lax" else rl  # LaX's crossing needs all of r
+        rl = s.latent_width(r, t) if s else r  # vanilla splits r
+        r_lat = r if arch.crossing else rl  # LaX's crossing needs all of r
         fwd += lat_f * 7 * r_lat
         bwd += lat_b * 7 * r_lat
-        if strategy == "vanilla" and t > 1:
-            # Every B all-reduces its full output (copied first); the backward all-reduces
-            # the input grads of the four regions (attn_in, o_in, mlp_in: d; down_in: f).
-            fwd += CLONE * (3 * d + 2 * kv + 2 * f)
-            bwd += CLONE * (3 * d + f)
-            if cfg.arch == "lax":  # latents gathered to all of r and re-split, both ways
-                per = r + CLONE * r + CLONE * rl
-                fwd, bwd = fwd + 7 * per, bwd + 7 * per
+        if s is not None and t > 1 and s.gathers_latents(arch):
+            per = r + CLONE * r + CLONE * rl  # gathered to all of r and re-split, both ways
+            fwd, bwd = fwd + 7 * per, bwd + 7 * per
     return ElementWise(fwd * tokens * act, bwd * tokens * act)
 
 
@@ -246,7 +249,7 @@ def _btp_elementwise(
     sends = overlap and grouping and t > 1
     d, kv, f, r = cfg.dim // t, cfg.kv_dim // t, cfg.ffn_dim // t, cfg.rank
     mlp_f, mlp_b = SWIGLU if cfg.mlp_form == "swiglu" else PRODUCT
-    lat_f, lat_b = _latent_passes(cfg, layer)
+    lat_f, lat_b = arch_spec(cfg.arch).passes(layer)
     att_f, att_b = _attention_passes(d, kv)
     groups = 3 + 2  # down-projections sharing an input: q, k, v and gate, up
     whole = t == 1
@@ -328,8 +331,8 @@ def head_elementwise(
     if t == 1:
         fwd, bwd = 2 * d + norm_f * d + ce_f * v, norm_b * d + d + ce_b * v
         table = cfg.vocab_size * d
-    elif strategy == "btp":  # local lookup of d/t; the last hidden gathered (and its grad
-        dl = d // t  # reduce-scattered: copies both ways)
+    elif spec_or_none(strategy).residual_sharded:  # local lookup of d/t; the last hidden
+        dl = d // t  # gathered (and its grad reduce-scattered: copies both ways)
         fwd = 2 * dl + CLONE * d + norm_f * d + ce_f * v
         bwd = norm_b * d + CLONE * d + CLONE * dl + dl + ce_b * v
         table = cfg.vocab_size * dl
@@ -353,8 +356,7 @@ ROPE_KERNELS = (8, 11)  # q and k: x cos + roll(x) sin; the backward's copies of
 GQA_KERNELS = (2, 2)  # k and v repeated to every query head
 SWIGLU_KERNELS = (2, 4)  # silu(g) * u
 PRODUCT_KERNELS = (1, 2)  # g * u (low-rank-only MLP)
-LATENT_KERNELS = {"cola": (1, 1), "svd": (0, 0), "lax": (6, 17)}  # per linear: σ; LaX: add,
-# LN_r, σ, and the gradient of z's second consumer (block 0 has no gate: one add fewer)
+# Each latent's own kernels are its arch's: ``ArchSpec.latent_kernels``.
 GROUP_KERNELS = (4, 4)  # BTP per down-projection group: online-norm rescales, cat, split
 WEIGHT_CAT_KERNELS = (4, 2)  # grouped A's concatenated and B's stacked per micro-batch
 
@@ -374,18 +376,17 @@ def block_kernels(
     bwd = 2 * NORM_KERNELS[1] + ROPE_KERNELS[1] + mlp[1] + 5  # residual, q/k/v, gate/up reuse
     if cfg.n_kv_heads < cfg.n_heads:
         fwd, bwd = fwd + GQA_KERNELS[0], bwd + GQA_KERNELS[1]
+    s, arch = spec_or_none(strategy), arch_spec(cfg.arch)
     if cfg.lowrank:
-        lf, lb = LATENT_KERNELS[cfg.arch]
-        if cfg.arch == "lax" and layer == 0:
-            lf -= 1
+        lf, lb = arch.kernels(layer)
         fwd, bwd = fwd + 7 * lf, bwd + 7 * lb
-        if strategy == "btp" or (strategy is None and grouping):  # BTP's block runs
+        if _bottleneck_block(s, True, grouping):
             fwd, bwd = fwd + 2 * GROUP_KERNELS[0], bwd + 2 * GROUP_KERNELS[1]
             fwd, bwd = fwd + WEIGHT_CAT_KERNELS[0], bwd + WEIGHT_CAT_KERNELS[1]
-    if t > 1:  # one copy per collective (the collective itself is costed with the link)
-        calls = {"megatron": (2, 2), "vanilla": (7, 4), "btp": (4, 4)}[strategy or "btp"]
-        lax = 7 if cfg.arch == "lax" and strategy == "vanilla" else 0  # gather + re-split
-        fwd, bwd = fwd + calls[0] + 2 * lax, bwd + calls[1] + 2 * lax
+    if s is not None and t > 1:  # one copy per collective (the collective: the link's cost)
+        calls = _collectives(cfg, s, 1, 1)
+        lax = 7 if s.gathers_latents(arch) else 0  # gather + re-split
+        fwd, bwd = fwd + calls.calls_fwd + 2 * lax, bwd + calls.calls_bwd + 2 * lax
     return fwd, bwd
 
 

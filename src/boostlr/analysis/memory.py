@@ -18,6 +18,9 @@ from functools import lru_cache
 from boostlr.analysis.comm import vocab_dp
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, shard_dim, stage_ids, stage_layers
+from boostlr.specs.arch import arch_spec
+from boostlr.specs.schedule import schedule_spec
+from boostlr.specs.strategy import spec_or_none
 
 FP32 = 4
 BF16_CACHE = 2  # bytes of a weight's bf16 copy, cast by `local()` for its GEMMs
@@ -163,11 +166,14 @@ def activation_bytes_per_block(
     T, t = tokens, tp if strategy else 1
     d, kv, f = cfg.dim, cfg.kv_dim, cfg.ffn_dim
     r = cfg.rank or 0
-    res = d // t if strategy == "btp" else d  # residual width on this rank
-    lax_lat = 7 * T * r * act if cfg.arch == "lax" else 0  # latents handed to the next block
+    s = spec_or_none(strategy)
+    folded = s is not None and s.bottleneck_regions  # BTP: norms folded into the A's
+    res = s.residual_width(d, t) if s else d  # residual width on this rank
+    # latents handed to the next block
+    lax_lat = 7 * T * r * act if arch_spec(cfg.arch).crossing else 0
     # BTP's folded norms (at TP > 1) hand the qkv and gate/up latents (5 of the 7) over in
     # fp32, normalised after the all-reduce, and σ keeps them so (btp._Normalise).
-    normed = 5 * r if strategy == "btp" and t > 1 else 0
+    normed = 5 * r if folded and t > 1 else 0
     # σ's inputs of the replicated latents (BTP), and the region inputs (σ's outputs).
     btp_latents = T * (normed * FP32 + (7 * r - normed) * act) + T * 7 * r * act
     if act_ckpt == "block":
@@ -176,23 +182,22 @@ def activation_bytes_per_block(
         # (BTP's folded norms keep only their outputs, which σ keeps anyway, not the
         # all-reduced sums they divide: boostlr.parallel.btp._Normalise.)
         return btp_latents + 2 * T * res * FP32 + lax_lat
-    heads_w = d if strategy == "vanilla" else d // t  # vanilla replicates q/k/v and attention
-    kv_w = kv if strategy == "vanilla" else kv // t
-    ff = f if strategy == "vanilla" else f // t
-    if strategy == "btp":  # folded norm: its fp32 input, the normalised and the gained slice
+    w = 1 if s is not None and s.replicates_heads else t  # vanilla replicates q/k/v, attention
+    heads_w, kv_w, ff = d // w, kv // w, f // w
+    if folded:  # folded norm: its fp32 input, the normalised and the gained slice
         total = 2 * (T * res * FP32 + 2 * T * res * act)
     else:  # rms_norm: its fp32 input, x·rsqrt (fp32, for the gain), the output's GEMM cast
         total = 2 * (2 * T * res * FP32 + T * res * act)
     total += T * (2 * heads_w + 2 * kv_w) * act  # q and k after RoPE, v, attention's output
     total += 4 * T * cfg.head_dim * act  # RoPE's cos/sin, cast for q and for k
-    total += T * (cfg.n_heads // (1 if strategy == "vanilla" else t)) * FP32  # logsumexp
+    total += T * (cfg.n_heads // w) * FP32  # logsumexp
     # swiglu: gate, up, silu(gate), product; lowrank-only: gate, up, product.
     total += (4 if cfg.mlp_form == "swiglu" else 3) * T * ff * act
     if cfg.lowrank:
-        if strategy == "btp":
+        if folded:
             total += btp_latents
         else:  # A's outputs and σ's outputs (vanilla: this rank's r/t columns)
-            lat = r // t if strategy == "vanilla" else r
+            lat = s.latent_width(r, t) if s else r
             total += 7 * 2 * T * lat * act
         total += lax_lat
     return float(total)
@@ -205,14 +210,13 @@ def grads_held_at_activation_peak(p: ParallelConfig, pp_rank: int, grad_accum: i
     or a 1F1B pipeline rank that runs more micro-batches than it holds (its steady state);
     interleaved schedules are counted so too. Otherwise (one micro-batch, GPipe, a 1F1B
     rank still in warm-up) the activations peak before the first backward makes gradients.
+    Each schedule's answer is its spec's ``grads_before_peak``.
     """
     if grad_accum > 1:
         return True
-    if p.pp == 1 or p.pp_schedule == "gpipe":
+    if p.pp == 1:
         return False
-    if p.pp_schedule == "1f1b":
-        return p.pp_microbatches > p.pp - pp_rank
-    return True
+    return schedule_spec(p.pp_schedule).grads_before_peak(p.pp_microbatches, p.pp, pp_rank)
 
 
 def in_flight(p: ParallelConfig, pp_rank: int) -> float:
@@ -220,14 +224,9 @@ def in_flight(p: ParallelConfig, pp_rank: int) -> float:
 
     GPipe runs every forward first; 1F1B holds ``pp - rank``; interleaved 1F1B's first rank
     holds ``pp`` micro-batches of each of its stages plus ``pp - 1`` of warm-up (Megatron's
-    count), spread over ``pp_virtual`` stages.
+    count), spread over ``pp_virtual`` stages: each schedule's spec states its count.
     """
-    m = p.pp_microbatches
     if p.pp == 1:
         return 1.0
-    if p.pp_schedule == "gpipe":
-        return float(m)
-    if p.pp_schedule == "1f1b":
-        return float(min(m, p.pp - pp_rank))
-    v = p.virtual_stages
-    return float(min(m * v, p.pp * v + p.pp - 1 - 2 * pp_rank)) / v
+    spec = schedule_spec(p.pp_schedule)
+    return spec.in_flight(p.pp_microbatches, p.pp, pp_rank, p.virtual_stages)

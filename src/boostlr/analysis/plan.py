@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from boostlr.analysis.costmodel import Prediction, planning_config, predict
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.config import (
-    PP_SCHEDULES,
     RunConfig,
     build_config,
     resolve_layout,
@@ -25,6 +24,9 @@ from boostlr.config import (
     validate,
 )
 from boostlr.errors import ConfigError
+from boostlr.specs.arch import COLA, FULL, arch_spec
+from boostlr.specs.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from boostlr.specs.strategy import act_ckpt_modes, strategies_for, strategy_spec
 
 SEARCH_OVERRIDES = [  # --search replaces the layout; model, data and train stay
     ("parallel.tp", "1"),
@@ -56,7 +58,7 @@ def variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfi
     m = out.model
     if arch != m.arch:
         m.arch = arch
-        m.rank = None if arch != "full" else m.rank
+        m.rank = None if arch_spec(arch).lowrank else m.rank
         m.mlp = "auto"
         resolve_model(m)
     out.parallel.tp_strategy = strategy
@@ -73,7 +75,10 @@ def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     """
     ckpt = cfg.parallel.act_ckpt
     base = "block" if ckpt == "lowrank" else ckpt
-    return [predict(variant(cfg, a, s, ckpt if s == "btp" else base), hw) for a, s in families(cfg)]
+    return [
+        predict(variant(cfg, a, s, ckpt if ckpt in strategy_spec(s).act_ckpt else base), hw)
+        for a, s in families(cfg)
+    ]
 
 
 # ----------------------------------------------------------------------------- search
@@ -120,6 +125,7 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
     cfg = planning_config(cfg)  # the vocabulary once, not per candidate
     m, t = cfg.model, cfg.train
     global_batch = t.batch_size * t.grad_accum * cfg.parallel.dp
+    takes = strategies_for(arch_spec(m.arch))
     tried = 0
     found: list[Candidate] = []
     for tp in (k for k in _divisors(gpus) if k <= gpn):
@@ -129,17 +135,14 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                 continue
             accum = global_batch // (t.batch_size * dp)
             micro = [0] if pp == 1 else sorted({k for k in _divisors(t.batch_size) if k >= pp})
-            schedules = ["1f1b"] if pp == 1 else list(PP_SCHEDULES)
+            schedules = [DEFAULT_SCHEDULE.name] if pp == 1 else list(SCHEDULES)
             for mb, schedule in itertools.product(micro, schedules):
-                if m.arch == "full":
-                    strategies = ["megatron"] if tp > 1 else ["auto"]
-                else:
-                    strategies = ["vanilla", "btp"] if tp > 1 else ["auto"]
+                strategies = [s.name for s in takes] if tp > 1 else ["auto"]
                 # The vocabulary split over dp or held by FSDP: both, whatever auto would pick
                 # (only under data parallelism with untied tables does it change anything).
                 vocab_modes = ("true", "false") if dp > 1 and not m.tie_embeddings else ("auto",)
                 for strategy in strategies:
-                    ckpts = ["none", "block"] + (["lowrank"] if strategy == "btp" else [])
+                    ckpts = list(act_ckpt_modes(None if strategy == "auto" else strategy))
                     modes = itertools.product(ckpts, ("fsdp", "ddp"), vocab_modes)
                     for ckpt, mode, vocab in modes:
                         over = {
@@ -203,8 +206,9 @@ def apply(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
 
 def families(cfg: RunConfig) -> list[tuple[str, str]]:
     """(arch, strategy) of the three lines: dense megatron, low-rank vanilla and btp."""
-    lowrank = cfg.model.arch if cfg.model.lowrank else "cola"
-    return [("full", "megatron"), (lowrank, "vanilla"), (lowrank, "btp")]
+    lowrank = cfg.model.arch if cfg.model.lowrank else COLA.name
+    dense = [(FULL.name, s.name) for s in strategies_for(FULL)]
+    return dense + [(lowrank, s.name) for s in strategies_for(arch_spec(lowrank))]
 
 
 def search_form(cfg: RunConfig, gpus: int, global_batch: int) -> RunConfig:

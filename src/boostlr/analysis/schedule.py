@@ -14,14 +14,18 @@ first the embedding; 1F1B's fill and drain pass every stage once (``sum`` of the
 for it: each receive before a chunk, and a send's completion where the program waits for
 it, which with NCCL's rendezvous is when the peer has posted the matching receive.
 
-The interleaved schedule is not simulated: it keeps Megatron's ``(m*v + p - 1)`` slots of
-one virtual stage (:func:`interleaved_span`).
+Which program a schedule runs is its spec's ``timing`` (``specs/schedule.py``); the
+interleaved schedule is not simulated: it keeps Megatron's ``(m*v + p - 1)`` slots of one
+virtual stage (:func:`interleaved_span`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from boostlr.specs.schedule import FORWARDS_FIRST, ONE_FORWARD_ONE_BACKWARD, schedule_spec
 
 # A point-to-point op: (direction "send"|"recv", what "act"|"grad", micro-batch, peer rank).
 Op = tuple[str, str, int, int]
@@ -75,23 +79,22 @@ class _Program:
         self.steps.append(Step(kind, mb))
 
 
-def program(schedule: str, rank: int, stages: int, microbatches: int) -> list[Step]:
-    """Rank ``rank``'s program for one schedule step, in the order torch issues it
-    (``Schedule1F1B._step_microbatches``, ``ScheduleGPipe._step_microbatches``)."""
-    g, m = _Program(rank, stages), microbatches
-    if schedule == "gpipe":  # every forward, then every backward, each half alike
-        for kind, recv, send in (("F", g.fwd_recv, g.fwd_send), ("B", g.bwd_recv, g.bwd_send)):
-            sends: list[int] = []
-            for i in range(m):
-                g.wait(g.post(recv(i)))
-                g.compute(kind, i)
-                sends.append(g.post(send(i)))
-            for s in sends:
-                g.wait(s)
-        return g.steps
-    if schedule != "1f1b":
-        raise ValueError(f"no program for schedule {schedule!r}")
-    warmup = min(m, stages - rank)
+def _forwards_first(g: _Program, m: int) -> None:
+    """``ScheduleGPipe._step_microbatches``: every forward, then every backward, each half
+    alike."""
+    for kind, recv, send in (("F", g.fwd_recv, g.fwd_send), ("B", g.bwd_recv, g.bwd_send)):
+        sends: list[int] = []
+        for i in range(m):
+            g.wait(g.post(recv(i)))
+            g.compute(kind, i)
+            sends.append(g.post(send(i)))
+        for s in sends:
+            g.wait(s)
+
+
+def _one_forward_one_backward(g: _Program, m: int) -> None:
+    """``Schedule1F1B._step_microbatches``: warm-up forwards, steady 1F1B, drain."""
+    warmup = min(m, g.stages - g.rank)
     send_work, fwd_sends = -1, []
     for i in range(warmup):
         g.wait(g.post(g.fwd_recv(i)))
@@ -121,6 +124,22 @@ def program(schedule: str, rank: int, stages: int, microbatches: int) -> list[St
         send_work = g.post(g.bwd_send(bwd))
         bwd += 1
     g.wait(send_work)
+
+
+# The programs simulated, by the spec's ``timing`` (``specs/schedule.py``).
+PROGRAMS: dict[str, Callable[[_Program, int], None]] = {
+    FORWARDS_FIRST: _forwards_first,
+    ONE_FORWARD_ONE_BACKWARD: _one_forward_one_backward,
+}
+
+
+def program(schedule: str, rank: int, stages: int, microbatches: int) -> list[Step]:
+    """Rank ``rank``'s program for one step of ``schedule``, in the order torch issues it."""
+    write = PROGRAMS.get(schedule_spec(schedule).timing)
+    if write is None:
+        raise ValueError(f"no program for schedule {schedule!r}")
+    g = _Program(rank, stages)
+    write(g, microbatches)
     return g.steps
 
 

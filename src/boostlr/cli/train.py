@@ -41,8 +41,8 @@ def _restart_with_allocator(cfg) -> None:
     Several ranks get it from the launcher (``LD_PRELOAD`` in their environment); one
     process can only have it from its own start. Nothing has been read or written yet.
     """
-    from boostlr.parallel.device import resolve_device
     from boostlr.parallel.launch import under_launcher
+    from boostlr.platform import resolve_device
     from boostlr.train.host_alloc import allocator_env, preloaded_allocator
 
     if os.environ.get(_REEXEC_FLAG) or under_launcher() or preloaded_allocator():

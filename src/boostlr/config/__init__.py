@@ -1,8 +1,9 @@
 """Run configuration: the schema, reading TOML and overrides, and validation.
 
 ``from boostlr.config import RunConfig, build_config`` is the usual entry; the parts live in
-:mod:`~boostlr.config.schema`, :mod:`~boostlr.config.parse` and
-:mod:`~boostlr.config.validate`.
+:mod:`~boostlr.config.schema`, :mod:`~boostlr.config.parse`,
+:mod:`~boostlr.config.validate` and :mod:`~boostlr.config.resolve` (the trainer's config,
+resolved from the data and frozen).
 """
 
 from boostlr.config.parse import (  # noqa: F401
@@ -16,6 +17,13 @@ from boostlr.config.parse import (  # noqa: F401
     parse_overrides,
     set_value,
     to_dict,
+)
+from boostlr.config.resolve import (  # noqa: F401
+    DataFacts,
+    freeze,
+    is_resolved,
+    resolve,
+    thaw,
 )
 from boostlr.config.schema import (  # noqa: F401
     ACT_CKPT_MODES,

@@ -14,6 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from boostlr.specs import arch as _arch
+from boostlr.specs.schedule import schedule_spec
+from boostlr.specs.strategy import default_strategy
+
 Arch = Literal["full", "cola", "svd", "lax"]
 MlpForm = Literal["auto", "lowrank-only", "swiglu"]
 LaxGate = Literal["factored", "full"]
@@ -27,7 +31,7 @@ PPSchedule = Literal["gpipe", "1f1b", "interleaved"]
 Auto = Literal["auto"]
 
 ARCHS: tuple[str, ...] = get_args(Arch)
-LOWRANK_ARCHS = ("cola", "svd", "lax")
+LOWRANK_ARCHS = _arch.LOWRANK_ARCHS
 MLP_FORMS: tuple[str, ...] = get_args(MlpForm)
 LAX_GATES: tuple[str, ...] = get_args(LaxGate)
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -324,7 +328,9 @@ class ParallelConfig:
     @property
     def virtual_stages(self) -> int:
         """Pipeline stages held by each pp rank."""
-        return self.pp_virtual if self.pp_schedule == "interleaved" and self.pp > 1 else 1
+        if self.pp == 1:
+            return 1
+        return schedule_spec(self.pp_schedule).stages_per_rank(self.pp_virtual)
 
     @property
     def num_stages(self) -> int:
@@ -340,7 +346,7 @@ class ParallelConfig:
             return self.tp_strategy
         if self.tp == 1:
             return None
-        return "megatron" if arch == "full" else "btp"
+        return default_strategy(_arch.arch_spec(arch)).name
 
 
 @dataclass

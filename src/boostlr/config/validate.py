@@ -25,6 +25,9 @@ from boostlr.config.schema import (
     RunConfig,
 )
 from boostlr.errors import ConfigError
+from boostlr.specs.arch import LOWRANK_ARCHS, arch_spec
+from boostlr.specs.schedule import SCHEDULES, schedule_spec
+from boostlr.specs.strategy import STRATEGIES, act_ckpt_modes, spec_or_none
 
 
 def launcher_world_size() -> int | None:
@@ -94,7 +97,7 @@ def resolve_vocab_dp(cfg: RunConfig) -> None:
 
     The one place ``auto`` is decided: :func:`resolve_layout` calls it (a config whose
     vocabulary is set), the trainer once the tokenizer gives the vocabulary
-    (``boostlr.train.run.bind_vocab``), the planner once it takes the preset's. Every
+    (``boostlr.config.resolve.resolve``), the planner once it takes the preset's. Every
     consumer reads the bool (``ParallelConfig.vocab_over_dp``); the saved config shows it.
     """
     if cfg.parallel.vocab_dp == "auto" and cfg.model.vocab_size >= 1:
@@ -224,34 +227,37 @@ def validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         )
     validate_pipeline(p, m)
     strategy = p.strategy_for(m.arch)
-    if strategy in ("btp", "vanilla") and not m.lowrank:
+    spec, arch = spec_or_none(strategy), arch_spec(m.arch)
+    if spec is not None and spec.takes_lowrank and not arch.lowrank:
         raise ConfigError(
-            f"parallel.tp_strategy {strategy} needs a low-rank arch (cola, svd, lax), not "
-            f"'{m.arch}': use megatron for arch full"
+            f"parallel.tp_strategy {strategy} needs a low-rank arch "
+            f"({', '.join(LOWRANK_ARCHS)}), not '{m.arch}': use megatron for arch full"
         )
-    if strategy == "megatron" and m.lowrank:
+    if spec is not None and not spec.takes(arch):
         raise ConfigError(
-            f"parallel.tp_strategy megatron is for arch full, not '{m.arch}': use btp or vanilla"
+            f"parallel.tp_strategy {strategy} is for arch full, not '{m.arch}': use btp or vanilla"
         )
-    if p.act_ckpt == "lowrank" and strategy != "btp":
+    if p.act_ckpt not in act_ckpt_modes(strategy):
+        takers = " or ".join(s.name for s in STRATEGIES.values() if p.act_ckpt in s.act_ckpt)
         raise ConfigError(
-            "parallel.act_ckpt lowrank checkpoints BTP regions: it needs parallel.tp_strategy "
-            "btp (use block for other strategies)"
+            f"parallel.act_ckpt {p.act_ckpt} checkpoints BTP regions: it needs "
+            f"parallel.tp_strategy {takers} (use block for other strategies)"
         )
-    if strategy == "btp" and m.tie_embeddings:
+    if spec is not None and not spec.ties_embeddings and m.tie_embeddings:
         raise ConfigError(
-            "model.tie_embeddings is not supported with btp (the embedding is split along d, "
-            "the head along the vocabulary): set model.tie_embeddings false"
+            f"model.tie_embeddings is not supported with {strategy} (the embedding is split "
+            "along d, the head along the vocabulary): set model.tie_embeddings false"
         )
     dims = {"model.dim": m.dim, "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads}
     dims["model.ffn_dim"] = m.ffn_dim
-    if strategy == "vanilla":
+    splits_rank = spec is not None and spec.splits_rank
+    if splits_rank:
         dims["model.rank"] = m.rank
     for key, value in dims.items():
         if value % p.tp:
             raise ConfigError(
                 f"parallel.tp {p.tp} does not divide {key} {value}: pick a tp that divides "
-                "heads, kv heads, dim and ffn_dim" + (" and rank" if strategy == "vanilla" else "")
+                "heads, kv heads, dim and ffn_dim" + (" and rank" if splits_rank else "")
             )
 
 
@@ -270,16 +276,17 @@ def validate_pipeline(p: ParallelConfig, m: ModelConfig) -> None:
             f"model.n_layers {m.n_layers} is not divisible by {what} pipeline stages: pick a "
             "pp (and pp_virtual) that divides the layers evenly"
         )
-    mb = p.pp_microbatches
-    if p.pp_schedule in ("1f1b", "interleaved") and mb < p.pp:
+    mb, schedule = p.pp_microbatches, schedule_spec(p.pp_schedule)
+    if schedule.microbatches_at_least_pp and mb < p.pp:
+        takers = " or ".join(s.name for s in SCHEDULES.values() if not s.microbatches_at_least_pp)
         raise ConfigError(
             f"parallel.pp_schedule {p.pp_schedule} needs at least as many micro-batches as "
             f"pipeline ranks ({p.pp}), got parallel.microbatches {mb}: raise "
-            "--parallel.microbatches or use --parallel.pp_schedule gpipe"
+            f"--parallel.microbatches or use --parallel.pp_schedule {takers}"
         )
-    if p.pp_schedule == "interleaved" and mb % p.pp:
+    if schedule.microbatches_multiple_of_pp and mb % p.pp:
         raise ConfigError(
-            f"parallel.pp_schedule interleaved needs parallel.microbatches ({mb}) to be a "
+            f"parallel.pp_schedule {p.pp_schedule} needs parallel.microbatches ({mb}) to be a "
             f"multiple of parallel.pp ({p.pp})"
         )
     if m.tie_embeddings:

@@ -15,7 +15,7 @@ import torch
 
 from boostlr.data.prepare import SPLITS, validate_dataset
 from boostlr.errors import DataError
-from boostlr.parallel.device import HostToDevice, host_buffer
+from boostlr.platform import HostToDevice, host_buffer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -69,7 +69,7 @@ def _windows_batch(
     dataset: TokenDataset, windows: np.ndarray, seq_len: int, device: torch.device | None = None
 ) -> Batch:
     """Inputs and targets of ``windows``, built in host memory fit for ``device``'s copies
-    (pinned for a GPU: :func:`~boostlr.parallel.device.host_buffer`)."""
+    (pinned for a GPU: :func:`~boostlr.platform.host_buffer`)."""
     rows = np.stack([dataset.tokens(int(w) * seq_len, seq_len + 1) for w in windows])
     data = torch.from_numpy(rows)
     if device is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
 from boostlr.models.shapes import linear_shapes
+from boostlr.specs.arch import arch_spec
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,15 @@ class ParamCount:
 
 def linear_params(cfg: ModelConfig, d_in: int, d_out: int, layer: int) -> tuple[int, int]:
     """(all parameters, matmul parameters) of one block linear."""
-    if cfg.arch == "full":
-        return d_in * d_out, d_in * d_out
+    arch = arch_spec(cfg.arch)
+    gate = crossing_gate_params(cfg) if arch.crossing and layer > 0 else 0
+    return arch.linear_params(d_in, d_out, cfg.rank or 0, gate, layer)
+
+
+def crossing_gate_params(cfg: ModelConfig) -> int:
+    """Parameters of one crossing gate ``G`` (r -> r), by ``model.lax_gate``."""
     r = cfg.rank
-    matmul = r * (d_in + d_out)
-    if cfg.arch != "lax":
-        return matmul, matmul
-    gate = 0
-    if layer > 0:
-        gate = r * r if cfg.lax_gate == "full" else 2 * r * cfg.lax_gate_rank
-    return matmul + gate + r, matmul + gate  # + r: the LN_r gain
+    return r * r if cfg.lax_gate == "full" else 2 * r * cfg.lax_gate_rank
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:

@@ -136,7 +136,7 @@ def _collapse(
 
 
 # Counters per step of a draw: temporaries that stay in a CPU's cache. The caller that knows
-# the device passes a larger chunk for a GPU (``boostlr.parallel.device.init_draw_counters``);
+# the device passes a larger chunk for a GPU (``boostlr.platform``'s ``draw_chunk_counters``);
 # the chunk changes only the speed, never a value.
 HOST_CHUNK_COUNTERS = 1 << 16
 

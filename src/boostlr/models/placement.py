@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from boostlr.config import ParallelConfig
 from boostlr.models.shapes import ATTN_LINEARS, MLP_LINEARS
+from boostlr.specs.strategy import BTP, MEGATRON, VANILLA
 
 # Parameter kinds.
 EMBEDDING = "embedding"  # embed_tokens.weight [V, d]
@@ -42,7 +43,7 @@ KINDS = (
 #: config refuses megatron for low-rank archs and btp/vanilla for ``full``.
 RULES: dict[str | None, dict[str, int | None]] = {
     None: dict.fromkeys(KINDS),
-    "megatron": {
+    MEGATRON.name: {
         EMBEDDING: 0,  # vocab-parallel rows
         HEAD: 0,
         FINAL_NORM: None,  # norms run on the replicated residual
@@ -50,7 +51,7 @@ RULES: dict[str | None, dict[str, int | None]] = {
         DENSE_FROM_NORM: 0,  # column-parallel: heads / MLP width split
         DENSE_TO_RESIDUAL: 1,  # row-parallel: its input split, all-reduced after
     },
-    "vanilla": {
+    VANILLA.name: {
         EMBEDDING: 0,  # vocab-parallel, as Megatron's
         HEAD: 0,
         FINAL_NORM: None,  # norms run on the replicated residual
@@ -60,7 +61,7 @@ RULES: dict[str | None, dict[str, int | None]] = {
         CROSS_NORM: None,  # LaX crosses the all-gathered latent
         CROSS_GATE: None,
     },
-    "btp": {
+    BTP.name: {
         EMBEDDING: 1,  # split along d: the lookup yields this rank's residual slice
         HEAD: 0,  # vocab-parallel after one all-gather of the last hidden state
         FINAL_NORM: 0,  # gains follow the d-sharded residual

@@ -25,10 +25,10 @@ from boostlr.models.llama import LlamaModel
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, stage_ids, stage_layers
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
-from boostlr.parallel.device import init_draw_counters
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.sharding import ShardSpec, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
+from boostlr.platform import platform_for
 
 
 def build_stages(
@@ -103,6 +103,7 @@ def materialize(
     """
     tp_mesh, tp, rank = comms.tp_mesh, comms.tp.size, comms.tp.rank
     model = part.model
+    chunk = platform_for(device).draw_chunk_counters
     replaced: dict[int, nn.Parameter] = {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if id(param) not in replaced:
@@ -112,9 +113,7 @@ def materialize(
                 value = _vocab_dtensor(name, shape, seed, spec, part, comms, device, draw)
             else:
                 box = shard_box(shape, spec, rank, tp)
-                shard = initial_value(
-                    part.cfg, name, shape, seed, box, device, draw, init_draw_counters(device)
-                )
+                shard = initial_value(part.cfg, name, shape, seed, box, device, draw, chunk)
                 value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, shape)
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
@@ -143,7 +142,7 @@ def _vocab_dtensor(
         cols = chunk_range(shape[1], comms.tp.rank, comms.tp.size)
     box = [(split.start, split.end), cols]
     shard = initial_value(
-        part.cfg, name, shape, seed, box, device, draw, init_draw_counters(device)
+        part.cfg, name, shape, seed, box, device, draw, platform_for(device).draw_chunk_counters
     )
     tp_placement = Replicate() if spec.dim is None else Shard(spec.dim)
     mesh = comms.mesh["dp", "tp"]

@@ -17,7 +17,7 @@ import torch
 
 from boostlr._torch_internals import compiler_config, cpp_compiler_available, has_triton
 from boostlr.errors import ConfigError
-from boostlr.parallel.device import runs_on_host
+from boostlr.platform import platform_for
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 # Graphs cached per block function: (first block, later blocks) x (train, no-grad eval) per
@@ -42,7 +42,7 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def check_toolchain(device: torch.device) -> None:
     """Fail before any work when inductor cannot build kernels for ``device``."""
-    if not runs_on_host(device):
+    if not platform_for(device).is_host:
         if not has_triton():
             raise ConfigError(
                 "train.compile true needs Triton for CUDA kernels (pip install triton): "

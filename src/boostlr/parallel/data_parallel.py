@@ -25,9 +25,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from boostlr._torch_internals import DefaultAllGather, DefaultReduceScatter, in_backward
 from boostlr.parallel.collectives import GroupComm
-from boostlr.parallel.device import fsdp_in_place_collectives
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.tensor_parallel import TensorParallelModel
+from boostlr.platform import fsdp_in_place_collectives
 
 
 def _phase(comm: GroupComm) -> str:

@@ -18,11 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.device import to_device
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
-from boostlr.rundir.timeouts import CheckpointGroup
+from boostlr.platform import to_device
 
 
 class ParallelModel:
@@ -49,16 +48,14 @@ class ParallelModel:
         cfg: RunConfig,
         device: torch.device,
         mark_phase: Callable[[str], None] = lambda phase: None,
-        ckpt: CheckpointGroup | None = None,
     ) -> ParallelModel:
         """Distributed when a default process group exists, else the single-device model.
 
         Every layout, one process included, builds on the meta device and materialises each
         parameter as a counter-based draw of (seed, name, index), so values never depend on layout.
-        The checkpoint group is ``ckpt``'s when it holds one (:func:`~.mesh.build_mesh`).
         """
         if dist.is_initialized():
-            comms = build_mesh(cfg.parallel, device, ckpt)
+            comms = build_mesh(cfg.parallel, device)
         else:
             comms = single_process_comms()
         stages = build_stages(cfg, comms, device, comms.pp.rank, mark_phase)

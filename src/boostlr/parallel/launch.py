@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from boostlr.errors import BoostlrError
-from boostlr.parallel.device import bind_rank_device, process_group_kwargs, runs_on_host
+from boostlr.platform import platform_for
 
 
 def under_launcher() -> bool:
@@ -243,20 +243,21 @@ def init_distributed(
     """Join the default process group (gloo on CPU, NCCL on CUDA); this rank's device.
 
     On CUDA the rank drives ``cuda:(LOCAL_RANK % visible GPUs)`` and the group is created
-    bound to it (:mod:`boostlr.parallel.device`).
+    bound to it (:mod:`boostlr.platform`).
     """
     adopt_slurm_env()
     world = int(os.environ["WORLD_SIZE"])
     if world != expected_world:
         raise BoostlrError(world_mismatch(world, expected_world, os.environ))
-    if pin_cores and runs_on_host(device):
+    platform = platform_for(device)
+    if pin_cores and platform.is_host:
         pin_cpu_cores()
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    device = bind_rank_device(device)
+    device = platform.bind_rank(device, os.environ)
     timeout = timedelta(seconds=timeout_s)
     store = _attempt_store(world, timeout)
-    kwargs = process_group_kwargs(device)
+    kwargs = platform.process_group_kwargs(device)
     if store is None:
         dist.init_process_group(timeout=timeout, **kwargs)
     else:

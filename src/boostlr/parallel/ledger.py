@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from boostlr.parallel.device import WallTimer, region_timer
+from boostlr.platform import WallTimer, platform_for
 
 Phase = Literal["fwd", "bwd", "recompute"]
 OpName = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
@@ -72,10 +72,10 @@ class CommLedger:
         CPU backends (gloo) block the host for the whole call: wall time. On a GPU the host
         only enqueues; events on the current stream measure how long the stream stalls on
         the communication (a synchronous NCCL call makes it wait on the NCCL stream). The
-        device module chooses (:func:`~boostlr.parallel.device.region_timer`).
+        device module chooses (:meth:`~boostlr.platform.Platform.region_timer`).
         """
         if self._timer is None:
-            self._timer = region_timer(device)
+            self._timer = platform_for(device).region_timer()
         with self._timer.timed(group):
             yield
 

@@ -1,83 +1,117 @@
-"""The ``(pp, dp, tp)`` device mesh and the explicit process groups cut from it."""
+"""The device mesh, its named dims, and the explicit process groups cut from it.
+
+:func:`mesh_shape` is the one place the mesh's dims are named and sized; everything else
+reaches a dim's group by name (:meth:`MeshComms.group`), so a further dim (an expert dim
+carved out of dp) is an entry there and a config key, not a field in every caller.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
+from types import MappingProxyType
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from boostlr.config import ParallelConfig
 from boostlr.parallel.collectives import CommLedger, GroupComm
-from boostlr.parallel.device import backend_for, group_options
-from boostlr.rundir.timeouts import CheckpointGroup, remade_group
+from boostlr.platform import platform_for
 
-MESH_DIMS = ("pp", "dp", "tp")
+
+def mesh_shape(p: ParallelConfig) -> dict[str, int]:
+    """Each mesh dim's size by name, outermost first: ranks are laid out with the last dim
+    fastest, so a tensor-parallel group sits on one node's GPUs."""
+    return {"pp": p.pp, "dp": p.dp, "tp": p.tp}
+
+
+MESH_DIMS: tuple[str, ...] = tuple(mesh_shape(ParallelConfig()))
+
+
+def mesh_coordinates(p: ParallelConfig, rank: int) -> dict[str, int]:
+    """A global rank's index along each mesh dim (the last dim fastest, as the mesh lays
+    ranks out)."""
+    at: dict[str, int] = {}
+    for name, size in reversed(mesh_shape(p).items()):
+        rank, at[name] = divmod(rank, size)
+    return {name: at[name] for name in mesh_shape(p)}
 
 
 @dataclass(frozen=True)
 class MeshComms:
-    """The mesh, one :class:`GroupComm` per dim (all recording into one ledger)."""
+    """The mesh and one :class:`GroupComm` per named dim (all recording into one ledger).
+
+    Only the mesh's groups: the checkpoint group is the checkpoint writer's own
+    (:class:`~boostlr.rundir.timeouts.CheckpointGroup`).
+    """
 
     mesh: DeviceMesh | None
-    tp: GroupComm
-    dp: GroupComm
-    pp: GroupComm
+    groups: Mapping[str, GroupComm]
     ledger: CommLedger
-    # All ranks on gloo, for checkpoint saves and loads only: an async save's collectives
-    # then never interleave with training's (and work beside NCCL on GPUs). Its timeout is
-    # ``parallel.timeout_s`` until the trainer sizes it to the checkpoint
-    # (:meth:`with_ckpt_timeout`).
-    ckpt_group: dist.ProcessGroup | None = None
-    ckpt_timeout_s: float | None = None
 
-    def with_ckpt_timeout(self, timeout_s: float) -> MeshComms:
-        """These comms with the checkpoint group waiting ``timeout_s`` (collective over every
-        rank when it changes). A group's timeout is fixed when it is made, so the group is
-        made again, the old one destroyed first (:func:`~boostlr.rundir.timeouts.remade_group`)."""
-        if self.ckpt_group is None or timeout_s == self.ckpt_timeout_s:
-            return self
-        group = remade_group(self.ckpt_group, timeout_s)
-        return replace(self, ckpt_group=group, ckpt_timeout_s=timeout_s)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", MappingProxyType(dict(self.groups)))
+
+    def group(self, dim: str) -> GroupComm:
+        """The group of mesh dim ``dim``."""
+        if dim not in self.groups:
+            raise KeyError(f"the mesh has no dim {dim!r} (its dims: {', '.join(self.groups)})")
+        return self.groups[dim]
+
+    def dim_mesh(self, *dims: str) -> DeviceMesh | None:
+        """The sub-mesh over ``dims`` (``None`` without a mesh: one process)."""
+        return None if self.mesh is None else self.mesh[dims if len(dims) > 1 else dims[0]]
+
+    @property
+    def tp(self) -> GroupComm:
+        return self.group("tp")
+
+    @property
+    def dp(self) -> GroupComm:
+        return self.group("dp")
+
+    @property
+    def pp(self) -> GroupComm:
+        return self.group("pp")
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
-        return None if self.mesh is None else self.mesh["tp"]
+        return self.dim_mesh("tp")
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        return None if self.mesh is None else self.mesh["dp"]
+        return self.dim_mesh("dp")
+
+
+def comms_on(mesh: DeviceMesh) -> MeshComms:
+    """One :class:`GroupComm` per dim of ``mesh``, named as the dim, on one new ledger."""
+    ledger = CommLedger()
+    names = mesh.mesh_dim_names or ()
+    groups = {name: GroupComm(mesh.get_group(name), name, ledger) for name in names}
+    return MeshComms(mesh, groups, ledger)
 
 
 def single_process_comms() -> MeshComms:
     """Every dim of size 1: the plain model in one process, no collective."""
     ledger = CommLedger()
-    return MeshComms(None, *(GroupComm(None, name, ledger) for name in ("tp", "dp", "pp")), ledger)
+    return MeshComms(None, {name: GroupComm(None, name, ledger) for name in MESH_DIMS}, ledger)
 
 
-def build_mesh(
-    p: ParallelConfig, device: torch.device, ckpt: CheckpointGroup | None = None
-) -> MeshComms:
-    """A named ``(pp, dp, tp)`` mesh over the default group (which must already exist).
+def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
+    """The named mesh of :func:`mesh_shape` over the default group (which must already exist).
 
-    Ranks are laid out tp-fastest, so a tensor-parallel group sits on one node's GPUs. Every
-    group gets ``parallel.timeout_s``: left alone, torch gives subgroups a 30-minute timeout
-    whatever the default group has (docs/design.md §5). The checkpoint group is taken over
-    from ``ckpt`` (the one resume verified on) when that holds one, else made here.
+    Every group gets ``parallel.timeout_s``: left alone, torch gives subgroups a 30-minute
+    timeout whatever the default group has (docs/design.md §5).
     """
+    shape = mesh_shape(p)
     timeout = timedelta(seconds=p.timeout_s)
-    backend = backend_for(device)
-    override = {name: (backend, group_options(backend, timeout)) for name in MESH_DIMS}
+    platform = platform_for(device)
+    override = {name: (platform.backend, platform.group_options(timeout)) for name in shape}
     mesh = init_device_mesh(
-        device.type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS, backend_override=override
+        device.type,
+        tuple(shape.values()),
+        mesh_dim_names=tuple(shape),
+        backend_override=override,
     )
-    ledger = CommLedger()
-    comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
-    ckpt_group, ckpt_timeout_s = ckpt.take() if ckpt is not None else (None, None)
-    if ckpt_group is None:
-        ckpt_group, ckpt_timeout_s = remade_group(None, p.timeout_s), p.timeout_s
-    return MeshComms(
-        mesh, comms["tp"], comms["dp"], comms["pp"], ledger, ckpt_group, ckpt_timeout_s
-    )
+    return comms_on(mesh)

@@ -16,14 +16,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from boostlr._torch_internals import stage_backward, wrapped_p2p_waits
 from boostlr.config import RunConfig
@@ -35,17 +31,20 @@ from boostlr.parallel.tensor_parallel import (
     TensorParallelModel,
     boundary_dtypes,
 )
+from boostlr.specs.arch import arch_spec
+from boostlr.specs.schedule import schedule_spec
+from boostlr.specs.strategy import spec_or_none
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 META = torch.device("meta")
 
 
 def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:
     """Shapes of the tensors one stage hands to the next, for one pipeline micro-batch."""
     m, s = cfg.model, cfg.data.seq_len
-    d = m.dim // tp if cfg.parallel.strategy_for(m.arch) == "btp" else m.dim
+    spec = spec_or_none(cfg.parallel.strategy_for(m.arch))
+    d = spec.residual_width(m.dim, tp) if spec else m.dim
     shapes = [torch.Size((micro, s, d))]
-    if m.arch == "lax":
+    if arch_spec(m.arch).crossing:
         shapes += [torch.Size((micro, s, m.rank))] * len(LATENT_NAMES)
     return shapes
 
@@ -187,16 +186,16 @@ class Pipeline:
                     group=pp.group,
                 )
             )
-        loss_fn = self._loss_fn()
-        if p.pp_schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(
-                pipeline_stages, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
-            )
+        spec = schedule_spec(p.pp_schedule)
+        schedule_class = getattr(pipelining, spec.torch_class)
+        # A multi-stage schedule takes the rank's list of stages, a single-stage one its stage.
+        if spec.multi_stage:
+            held: PipelineStage | list[PipelineStage] = pipeline_stages
         else:
-            (stage,) = pipeline_stages
-            self.schedule = SCHEDULES[p.pp_schedule](
-                stage, p.pp_microbatches, loss_fn=loss_fn, scale_grads=False
-            )
+            (held,) = pipeline_stages
+        self.schedule = schedule_class(
+            held, p.pp_microbatches, loss_fn=self._loss_fn(), scale_grads=False
+        )
         self.microbatches = p.pp_microbatches
         self.has_last = any(part.model.last for part in stages)
 

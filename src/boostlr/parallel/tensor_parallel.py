@@ -1,9 +1,9 @@
-"""Turn a single-device model into its tensor-parallel form and back.
+"""One rank's tensor-parallel part of the model and its forward.
 
 :class:`TensorParallelModel` keeps the single-device module tree (same parameter names),
-replaces each parameter by this rank's shard, and runs the strategy's forward. Parameters
-keep their single-device names and (as DTensors) their global shapes, so checkpoints are
-written and read by name at any layout.
+each parameter being this rank's shard (:mod:`boostlr.parallel.build` makes them), and runs
+the strategy's forward. Parameters keep their single-device names and (as DTensors) their
+global shapes, so checkpoints are written and read by name at any layout.
 """
 
 from __future__ import annotations
@@ -18,14 +18,10 @@ from boostlr.models.placement import shard_dim
 from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.head_loss import head_cross_entropy
-from boostlr.parallel.sharding import (
-    ShardSpec,
-    shard_module,
-    shard_tensor,
-    unshard_tensor,
-)
+from boostlr.parallel.sharding import ShardSpec
 from boostlr.parallel.strategies import runtime_for
 from boostlr.parallel.vocab import gather_batch, vocab_parallel_cross_entropy
+from boostlr.specs.arch import arch_spec
 
 LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: The residual stream's dtype, at every layout and under every ``train.dtype``.
@@ -42,7 +38,8 @@ def boundary_dtypes(arch: str, dtype: torch.dtype) -> list[torch.dtype]:
     follow this list: a send and its receive must agree on dtype and shape (on NCCL a
     mismatch is not an error: it hangs or delivers garbage).
     """
-    return [RESIDUAL_DTYPE] + ([dtype] * len(LATENT_NAMES) if arch == "lax" else [])
+    crossing = arch_spec(arch).crossing
+    return [RESIDUAL_DTYPE] + ([dtype] * len(LATENT_NAMES) if crossing else [])
 
 
 def to_boundary(outputs: tuple[Tensor, ...], dtypes: list[torch.dtype]) -> tuple[Tensor, ...]:
@@ -53,9 +50,10 @@ def to_boundary(outputs: tuple[Tensor, ...], dtypes: list[torch.dtype]) -> tuple
 class TensorParallelModel(nn.Module):
     """A sharded :class:`LlamaModel` (or one pipeline stage of it).
 
-    ``strategy=None`` is the plain single-device model. Given a single-device ``model`` the
-    constructor slices it in place for this rank; given ``full_shapes`` the model is already
-    this rank's shards (built from the meta device, see :mod:`boostlr.parallel.build`).
+    ``strategy=None`` is the plain single-device model. ``model`` already holds this rank's
+    shards: :mod:`boostlr.parallel.build` builds it on the meta device and materialises each
+    shard by itself, filling ``full_shapes`` (each parameter's single-device shape) as it
+    goes; at one rank a whole single-device model is its own shard.
     """
 
     def __init__(
@@ -72,10 +70,10 @@ class TensorParallelModel(nn.Module):
         self.specs: dict[str, ShardSpec] = {
             name: ShardSpec(shard_dim(name, strategy)) for name, _ in model.named_parameters()
         }
-        if full_shapes is None:
-            full_shapes = shard_module(model, self.specs, ctx.comm.rank, ctx.comm.size)
-        self.full_shapes = full_shapes
+        self.full_shapes = {} if full_shapes is None else full_shapes
         self.model = model
+        # LaX's latents cross from one block into the next: stage outputs carry them too.
+        self.crossing = arch_spec(self.cfg.arch).crossing
         forward = self.strategy.block_forward
         self._block_forward = compiled(forward) if ctx.compile else forward
 
@@ -104,9 +102,9 @@ class TensorParallelModel(nn.Module):
             with torch.profiler.record_function(f"block.{index}"):
                 x, z = block(x, rope, z, impl=self._block_impl)
         if not self.model.last:
-            outputs = (x, *(z[n] for n in LATENT_NAMES)) if self.cfg.arch == "lax" else (x,)
+            outputs = (x, *(z[n] for n in LATENT_NAMES)) if self.crossing else (x,)
             sent = to_boundary(outputs, boundary_dtypes(self.cfg.arch, ctx.dtype))
-            return sent if self.cfg.arch == "lax" else sent[0]
+            return sent if self.crossing else sent[0]
         h = s.head_input(self.model, x, ctx)
         return self.model.lm_head(h, impl=lambda lm_head, h_: self._head(lm_head, h_, targets))
 
@@ -139,7 +137,7 @@ class TensorParallelModel(nn.Module):
         forward, ctx = self._block_forward, self.ctx
         if ctx.act_ckpt != "block":
             return forward(block, x, rope, z_prev, ctx)
-        names = LATENT_NAMES if self.cfg.arch == "lax" else ()
+        names = LATENT_NAMES if self.crossing else ()
 
         def run(x_: Tensor, *zs: Tensor):
             zp = dict(zip(names, zs, strict=True)) if zs else None
@@ -160,22 +158,3 @@ class TensorParallelModel(nn.Module):
         return vocab_parallel_cross_entropy(
             logits.flatten(0, 1), targets.flatten(), self.ctx.vocab_split()
         )
-
-    # ------------------------------------------------------------------ full <-> shards
-
-    def _full_size(self, name: str) -> int | None:
-        dim = self.specs[name].dim
-        return None if dim is None else self.full_shapes[name][dim]
-
-    def named_shards(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.model.named_parameters())
-
-    def full_grads(self) -> dict[str, Tensor]:
-        return {
-            name: unshard_tensor(p.grad, self.specs[name], self._full_size(name), self.ctx.comm)
-            for name, p in self.named_shards()
-            if p.grad is not None
-        }
-
-    def shard_of(self, name: str, full: Tensor) -> Tensor:
-        return shard_tensor(full, self.specs[name], self.ctx.comm.rank, self.ctx.comm.size)

@@ -42,11 +42,11 @@ from boostlr.analysis.plan import (
 )
 from boostlr.config import RunConfig
 from boostlr.errors import BoostlrError, ConfigError
+from boostlr.specs.strategy import REFERENCE, strategy_spec
 
 SCALING_GPUS = tuple(2**i for i in range(9))  # 1 .. 256
 WEAK_SCALING = (("1B", 1), ("3B", 2), ("7B", 4), ("13B", 8), ("30B", 16), ("40B", 64))
-COLORS = {"megatron": "#7f7f7f", "vanilla": "#d62728", "btp": "#1f77b4"}
-STYLES = {"megatron": "^-", "vanilla": "s--", "btp": "o-"}  # vanilla dashed: it meets btp
+REF = REFERENCE.name  # the strategy the speed-up divides by and whose layouts are labelled
 
 
 def _point(c: Candidate | None) -> dict[str, Any] | None:
@@ -177,9 +177,9 @@ def draw(data: dict[str, Any], path: Path) -> None:
     for line in lines:
         pts = sc["points"][line["strategy"]]
         ys = [p["tokens_per_s"] if p else math.nan for p in pts]
-        s = line["strategy"]
-        ax_b.plot(gpus, ys, STYLES[s], label=line["label"], color=COLORS[s], alpha=0.85)
-        if line["strategy"] == "btp":
+        spec = strategy_spec(line["strategy"])
+        ax_b.plot(gpus, ys, spec.line, label=line["label"], color=spec.colour, alpha=0.85)
+        if spec is REFERENCE:
             for n, p in zip(gpus, pts, strict=True):
                 if p:
                     ax_b.annotate(
@@ -217,7 +217,7 @@ def draw(data: dict[str, Any], path: Path) -> None:
         s = line["strategy"]
         xs = [i + (j - (len(lines) - 1) / 2) * width for i in range(len(rows))]
         ys = [r[s]["step_time_s"] if r[s] else 0.0 for r in rows]
-        ax_c.bar(xs, ys, width, label=line["label"], color=COLORS[s])
+        ax_c.bar(xs, ys, width, label=line["label"], color=strategy_spec(s).colour)
         for xi, r in zip(xs, rows, strict=True):
             text = _short(r[s]["layout"]) if r[s] else "no fit"
             y = r[s]["step_time_s"] if r[s] else 0.0
@@ -247,10 +247,10 @@ def _layout_text(r: dict[str, Any]) -> str:
 
 def plan_json(rows: list[Prediction], hw: HardwareProfile, cfg: RunConfig) -> dict[str, Any]:
     out_rows = [r.row() for r in rows]
-    btp = next((r for r in rows if r.strategy == "btp"), None)
-    if btp is not None:
+    ref = next((r for r in rows if r.strategy == REF), None)
+    if ref is not None:
         for row, pred in zip(out_rows, rows, strict=True):
-            row["btp_speedup"] = pred.step_time / btp.step_time
+            row[f"{REF}_speedup"] = pred.step_time / ref.step_time
     return {
         "rows": out_rows,
         "hardware": as_dict(hw),
@@ -281,21 +281,21 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
-SPEEDUP_COLUMN = "btp speed-up over row"
+SPEEDUP_COLUMN = f"{REF} speed-up over row"
 
 
-def _speedup_caption(rows: list[Prediction], btp: Prediction | None) -> str:
-    """What the speed-up column divides by: the (first, i.e. fastest listed) btp row."""
-    if btp is None:
-        return f"{SPEEDUP_COLUMN}: -, no btp row listed to divide by (--top K lists more)"
+def _speedup_caption(rows: list[Prediction], ref: Prediction | None) -> str:
+    """What the speed-up column divides by: the (first, i.e. fastest listed) reference row."""
+    if ref is None:
+        return f"{SPEEDUP_COLUMN}: -, no {REF} row listed to divide by (--top K lists more)"
     which = (
-        "the btp row"
-        if sum(r.strategy == "btp" for r in rows) == 1
-        else f"the first btp row (row {rows.index(btp) + 1}, the fastest btp layout listed)"
+        f"the {REF} row"
+        if sum(r.strategy == REF for r in rows) == 1
+        else f"the first {REF} row (row {rows.index(ref) + 1}, the fastest {REF} layout listed)"
     )
     return (
-        f"{SPEEDUP_COLUMN}: the row's step s / the step s of {which}, {btp.step_time:.3f} s "
-        "(above 1: btp is that much faster)"
+        f"{SPEEDUP_COLUMN}: the row's step s / the step s of {which}, {ref.step_time:.3f} s "
+        f"(above 1: {REF} is that much faster)"
     )
 
 
@@ -303,8 +303,8 @@ def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    btp = next((r for r in rows if r.strategy == "btp"), None)
-    table = Table(title=title, caption=_speedup_caption(rows, btp))
+    ref = next((r for r in rows if r.strategy == REF), None)
+    table = Table(title=title, caption=_speedup_caption(rows, ref))
     for col in (
         "arch",
         "strategy",
@@ -341,7 +341,7 @@ def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
             f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
             f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
             "yes" if r.fits else "NO",
-            f"{r.step_time / btp.step_time:.2f}x" if btp else "-",
+            f"{r.step_time / ref.step_time:.2f}x" if ref else "-",
         )
     console = Console()
     Console(width=max(console.width, 160)).print(table)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from boostlr._torch_internals import torch_save_without_crc
 from boostlr.faults import SLOW_IO_ENV, throttle_io
-from boostlr.parallel.device import bind_thread_device
+from boostlr.platform import bind_thread_device
 from boostlr.rundir.streams import HashingStream
 
 

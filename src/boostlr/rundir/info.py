@@ -22,6 +22,7 @@ from boostlr.errors import CheckpointError
 from boostlr.rundir.checkpoint import sha256_of
 from boostlr.rundir.layout import META_FILE, STEP_DIR, checkpoints_dir
 from boostlr.rundir.tensors import ModelTensors
+from boostlr.specs.arch import is_lowrank
 
 _EARLIER = "use an earlier checkpoint"
 
@@ -187,7 +188,7 @@ def _model(model: Any) -> str:
         ("vocab_size", "vocab"),
     )
     parts += [f"{label} {model[key]}" for key, label in keys if key in model]
-    if model.get("arch") != "full" and "rank" in model:
+    if is_lowrank(model.get("arch")) and "rank" in model:
         parts.append(f"rank {model['rank']}")
     if model.get("tie_embeddings"):
         parts.append("tied embeddings")

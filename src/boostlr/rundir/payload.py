@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from boostlr.config import RunConfig, to_dict
-from boostlr.parallel.device import rng_states
+from boostlr.platform import rng_states
 
 # The learning-rate schedule's anchor, (step, lr), as :mod:`boostlr.train.optim` keeps it.
 Anchor = tuple[int, float]

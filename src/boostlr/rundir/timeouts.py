@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from boostlr.parallel.device import HOST_BACKEND
+from boostlr.platform import HOST_BACKEND
 
 CKPT_GROUP = "checkpoint (gloo)"
 
@@ -40,9 +40,12 @@ def remade_group(old: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
 class CheckpointGroup:
     """The one gloo group of every rank for checkpoint work, and the timeout it waits.
 
-    Verification makes it, sized to the largest share to hash (:meth:`wait`); the trainer's
-    saves and loads then take it over (:meth:`take`) and size it to the shards. ``group``
-    stays ``None`` in one process, where nothing waits.
+    All ranks on gloo, for checkpoint verification, saves and loads only: an async save's
+    collectives then never interleave with training's (and work beside NCCL on GPUs), and
+    the mesh's groups never wait as long as a checkpoint may take. The trainer makes one
+    before any work; verification sizes it to the largest share to hash (:meth:`wait`),
+    then :meth:`size_to` sizes it to the shards the saves and loads move, and the writer
+    saves on it. ``group`` stays ``None`` in one process, where nothing waits.
     """
 
     def __init__(self, world: int):
@@ -53,15 +56,29 @@ class CheckpointGroup:
     def wait(self, timeout_s: float) -> None:
         """Make the group wait ``timeout_s`` (collective over every rank when it changes)."""
         if self.world > 1 and timeout_s != self.timeout_s:
-            old, self.group = self.group, None
-            self.group = remade_group(old, timeout_s)
+            self._remake(timeout_s)
         self.timeout_s = timeout_s
 
-    def take(self) -> tuple[dist.ProcessGroup | None, float | None]:
-        """The group and its timeout, handed over: this holder no longer destroys it."""
-        taken = self.group, self.timeout_s
-        self.group = self.timeout_s = None
-        return taken
+    def size_to(self, state: dict[str, Any], floor_s: float) -> None:
+        """Size the group for saving and loading ``state``, this rank's shards: ``floor_s``
+        plus the largest rank's bytes at the slowest rate (collective over every rank).
+
+        Without a process group there is nothing to wait on and nothing changes. When
+        verification left no group (a fresh run, or one rank) it is made at ``floor_s``
+        first, to compare the ranks' bytes on.
+        """
+        if not dist.is_initialized():
+            return
+        if self.group is None:
+            self._remake(floor_s)
+        timeout_s = checkpoint_timeout_s(state, self.group, floor_s)
+        if timeout_s != self.timeout_s:
+            self._remake(timeout_s)
+
+    def _remake(self, timeout_s: float) -> None:
+        old, self.group = self.group, None
+        self.group = remade_group(old, timeout_s)
+        self.timeout_s = timeout_s
 
     def close(self) -> None:
         if self.group is not None:

@@ -31,11 +31,11 @@ from safetensors.torch import save as safetensors_bytes
 
 from boostlr.faults import crash_point
 from boostlr.fsutil import fsync_dir, fsync_file
-from boostlr.parallel.device import bind_thread_device, pin_staging
+from boostlr.platform import bind_thread_device, pin_staging
 from boostlr.rundir import dcp_io
 from boostlr.rundir.checkpoint import FORMAT_VERSION, list_checkpoints, sha256_of
 from boostlr.rundir.layout import META_FILE, TEMP_PREFIX, TRAINER_FILE, rng_file, step_dir_name
-from boostlr.rundir.timeouts import checkpoint_collectives, shard_bytes
+from boostlr.rundir.timeouts import CheckpointGroup, checkpoint_collectives, shard_bytes
 
 _OLD_PREFIX = ".old-"  # a checkpoint replaced by a re-save of its step, deleted in background
 _COPY_BLOCK = 1 << 20
@@ -107,6 +107,20 @@ class CheckpointWriter:
         self._stager = dcp_io.make_stager(pin=True) if pin else None
         self._cleaner = ThreadPoolExecutor(max_workers=1) if rank == 0 else None
         self.last_path: Path | None = None
+
+    @classmethod
+    def on_group(
+        cls,
+        root: Path,
+        rank: int,
+        ckpt: CheckpointGroup,
+        keep: int,
+        async_save: bool = False,
+        device: torch.device | None = None,
+    ) -> CheckpointWriter:
+        """A writer that saves on ``ckpt``'s group and waits its timeout
+        (:meth:`CheckpointGroup.size_to` sizes it to the shards first)."""
+        return cls(root, rank, ckpt.group, keep, async_save, device, ckpt.timeout_s)
 
     @_naming_timeouts
     def save(

@@ -30,10 +30,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from boostlr.config import RunConfig
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.collectives import CommLedger, GroupComm
+from boostlr.parallel.collectives import CommLedger
 from boostlr.parallel.data_parallel import set_fsdp_collectives
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.mesh import MESH_DIMS, MeshComms
+from boostlr.parallel.mesh import MESH_DIMS, MeshComms, comms_on, mesh_coordinates, mesh_shape
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.train.optim import build_optimizer
 
@@ -75,17 +75,16 @@ class RankTrace:
 
 def coordinates(cfg: RunConfig, rank: int) -> tuple[int, int, int]:
     """(pp, dp, tp) coordinates of a global rank: the mesh is laid out tp-fastest."""
-    p = cfg.parallel
-    return rank // (p.dp * p.tp), (rank // p.tp) % p.dp, rank % p.tp
+    at = mesh_coordinates(cfg.parallel, rank)
+    return at["pp"], at["dp"], at["tp"]
 
 
 def mesh_on_default_group(cfg: RunConfig, device_type: str = "cpu") -> MeshComms:
-    """The run's ``(pp, dp, tp)`` mesh on the default group's backend (a fake world's)."""
-    p = cfg.parallel
-    mesh = init_device_mesh(device_type, (p.pp, p.dp, p.tp), mesh_dim_names=MESH_DIMS)
-    ledger = CommLedger()
-    comms = {name: GroupComm(mesh.get_group(name), name, ledger) for name in MESH_DIMS}
-    return MeshComms(mesh, comms["tp"], comms["dp"], comms["pp"], ledger)
+    """The run's mesh (:func:`~boostlr.parallel.mesh.mesh_shape`) on the default group's
+    backend (a fake world's)."""
+    shape = mesh_shape(cfg.parallel)
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    return comms_on(mesh)
 
 
 def torch_fsdp_collectives(stages: list[TensorParallelModel], comms: MeshComms) -> None:

@@ -44,9 +44,7 @@ def memory_options(cfg: RunConfig) -> list[str]:
     options = []
     if p.act_ckpt == "none":
         options.append(
-            "--parallel.act_ckpt lowrank"
-            if cfg.model.arch != "full"
-            else "--parallel.act_ckpt block"
+            "--parallel.act_ckpt lowrank" if cfg.model.lowrank else "--parallel.act_ckpt block"
         )
     if t.batch_size > 1:
         options.append(

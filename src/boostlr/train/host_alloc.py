@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from boostlr.parallel.device import runs_on_host
+from boostlr.platform import platform_for
 
 # mallopt(3) parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -85,7 +85,7 @@ def allocator_env(enabled: bool, device_type: str, keep_pages: bool = True) -> d
     (the default, one process or several) also tells jemalloc to keep its freed pages
     (:data:`JEMALLOC_KEEP`), unless the user set ``MALLOC_CONF``.
     """
-    if not enabled or not runs_on_host(device_type) or os.environ.get(NO_PRELOAD_ENV):
+    if not enabled or not platform_for(device_type).is_host or os.environ.get(NO_PRELOAD_ENV):
         return {}
     library = preloaded_allocator() or find_allocator()
     if library is None:

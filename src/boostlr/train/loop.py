@@ -137,7 +137,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
             if step % t.log_every == 0 or last or step == start + 1:
                 row = metrics_row(state, step, lr, window, phases)
                 if step == start + 1:
-                    row.update(build_times(model.stages, model.comms))
+                    row.update(build_times(model.stages, state.writer.group))
                 loss_value = float(row["loss"])
                 if metrics is not None:
                     metrics.write(row)

@@ -27,12 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from boostlr.parallel.device import (
-    allocated_bytes,
-    peak_allocated_bytes,
-    reset_peak_allocated,
-    runs_on_host,
-)
+from boostlr.platform import platform_for
 from boostlr.train.host_alloc import allocated_bytes_reader
 from boostlr.train.perf import peak_memory_mb
 
@@ -109,13 +104,13 @@ def reset_peak_rss() -> bool:
 
 def device_now_mb(device: torch.device) -> float:
     """The device allocator's bytes in use; a CPU's resident set."""
-    allocated = allocated_bytes(device)
+    allocated = platform_for(device).allocated_bytes(device)
     return current_rss_mb() if allocated is None else allocated / MB
 
 
 def device_peak_mb(device: torch.device) -> float:
     """The device allocator's high-water mark; a CPU's high-water resident set."""
-    peak = peak_allocated_bytes(device)
+    peak = platform_for(device).peak_allocated_bytes(device)
     return peak_rss_mb() if peak is None else peak / MB
 
 
@@ -174,7 +169,9 @@ class MemoryPhases:
         self.rows: dict[str, dict[str, float]] = {}
         self.held: dict[str, float] = {}
         self.runtime_mb = device_now_mb(device)
-        reader = allocated_bytes_reader() if path is not None and runs_on_host(device) else None
+        reader = (
+            allocated_bytes_reader() if path is not None and platform_for(device).is_host else None
+        )
         self.allocated = AllocatedPeak(*reader) if reader is not None else None
         self.mark("start-up")
 
@@ -210,7 +207,7 @@ class MemoryPhases:
         tmp.write_text(json.dumps(report))
         tmp.replace(self.path)
         # The next phase's peak starts from what this one left.
-        if not reset_peak_allocated(self.device):
+        if not platform_for(self.device).reset_peak_allocated(self.device):
             reset_peak_rss()
 
     def close(self) -> None:

@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from boostlr.analysis.hardware import load_profile, user_dir
 from boostlr.errors import ConfigError
-from boostlr.parallel.device import accelerator_name, peak_allocated_bytes, runs_on_host
-from boostlr.parallel.mesh import MeshComms
+from boostlr.platform import platform_for
 
 # Substrings of ``torch.cuda.get_device_name()`` -> shipped profile (first match wins).
 GPU_PROFILES: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -42,7 +41,8 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
 
     fp32 on NVIDIA GPUs is the non-tensor-core peak (TF32 off, torch's default for matmuls).
     """
-    accelerator = accelerator_name(device)
+    platform = platform_for(device)
+    accelerator = platform.accelerator_name(device)
     if accelerator is not None:
         name = gpu_profile_name(accelerator)
     else:
@@ -54,7 +54,7 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     except ConfigError:
         return None
     peak = profile.flops(dtype)
-    if runs_on_host(device):
+    if platform.is_host:
         # calibrate measures with ``threads`` torch threads; this process may use more, and a
         # one-thread peak would then overstate MFU.
         measured_threads = int(profile.extra.get("threads", 1) or 1)
@@ -64,23 +64,22 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
 
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA: the allocator's high-water mark; CPU: the process's high-water RSS (MiB)."""
-    peak = peak_allocated_bytes(device)
+    peak = platform_for(device).peak_allocated_bytes(device)
     if peak is not None:
         return peak / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes vs KiB
 
 
-def build_times(stages: list, comms: MeshComms) -> dict[str, float | list[float]]:
+def build_times(stages: list, group: dist.ProcessGroup | None) -> dict[str, float | list[float]]:
     """``build_s`` (the slowest rank's) and ``build_s_ranks``: seconds to build each rank's part.
 
-    Gathered once, on the first log step after a start, over the all-ranks gloo group with
-    host tensors: no device copy, no device sync.
+    Gathered once, on the first log step after a start, over ``group``, the all-ranks gloo
+    group (the checkpoint writer's), with host tensors: no device copy, no device sync.
     """
     mine = max((getattr(s, "build_s", 0.0) for s in stages), default=0.0)
     local = torch.tensor([mine], dtype=torch.float64)
     times = [local]
-    group = comms.ckpt_group
     if group is not None and dist.get_world_size(group) > 1:
         times = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(times, local, group=group)

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import profile
 
 from boostlr.config import profile_range
-from boostlr.parallel.device import profiler_activities
+from boostlr.platform import platform_for
 
 
 class StepProfiler:
@@ -29,7 +29,7 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if self.range is None or step != self.range[0]:
             return
-        self._prof = profile(activities=profiler_activities(self.device))
+        self._prof = profile(activities=platform_for(self.device).profiler_activities())
         self._prof.__enter__()
 
     def after_step(self, step: int) -> None:

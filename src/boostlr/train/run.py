@@ -20,19 +20,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from boostlr.config import RunConfig, from_dict, resolve_vocab_dp, to_dict
+from boostlr.config import RunConfig, freeze, from_dict, resolve, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.data.loader import split_validation
 from boostlr.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     BoostlrError,
-    ConfigError,
     DataError,
     TrainingDiverged,
 )
 from boostlr.parallel.compile import check_toolchain
-from boostlr.parallel.device import check_local_gpus, resolve_device, runs_on_host
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.launch import (
     adopt_slurm_env,
@@ -40,12 +38,13 @@ from boostlr.parallel.launch import (
     launch,
     under_launcher,
 )
+from boostlr.platform import platform_for, resolve_device
 from boostlr.rundir import layout
 from boostlr.rundir.checkpoint import read_checkpoint
 from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
 from boostlr.rundir.payload import sharded
 from boostlr.rundir.resume import prepare_run_dir
-from boostlr.rundir.timeouts import CheckpointGroup, CollectiveTimeout, checkpoint_timeout_s
+from boostlr.rundir.timeouts import CheckpointGroup, CollectiveTimeout
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import run_steps
@@ -73,37 +72,29 @@ def open_datasets(cfg: RunConfig) -> tuple[TokenDataset, TokenDataset]:
     return TokenDataset(path, "train"), TokenDataset(path, "val")
 
 
-def bind_vocab(cfg: RunConfig, dataset: TokenDataset) -> None:
-    """Take the vocabulary from the tokenizer unless the config sets a (large enough) one."""
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = dataset.vocab_size
-    elif cfg.model.vocab_size < dataset.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
-            f"({dataset.vocab_size}): leave model.vocab_size at 0 to take it from the data"
-        )
-    resolve_vocab_dp(cfg)  # parallel.vocab_dp auto depends on the vocabulary
-
-
 def restart_attempt() -> int:
     """How many times the launcher has restarted this run's ranks (0 on the first start)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = True) -> TrainResult:
-    """Run (or continue) training into ``run_dir`` (the run directory: docs/checkpoints.md)."""
+    """Run (or continue) training into ``run_dir`` (the run directory: docs/checkpoints.md).
+
+    ``cfg`` is resolved against the data once, here, before any rank starts; every later
+    stage reads that frozen copy (:func:`~boostlr.config.resolve`), ``cfg`` is not written.
+    """
     require_packages(cfg.train)  # here, not in validate(): plan needs no tensorboard
     device = resolve_device(cfg.parallel.device)
     if cfg.train.compile:
         check_toolchain(device)
     datasets = open_datasets(cfg)
-    bind_vocab(cfg, datasets[0])
+    cfg = resolve(cfg, datasets[0])
     adopt_slurm_env()
     if os.environ.get("RANK", "0") == "0":  # once: this process, or rank 0 of a launcher's
         announce(cfg, run_dir, datasets[0].path, device, resume, console, under_launcher())
     if under_launcher():  # torchrun/srun started the ranks: join them
         return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
-    check_local_gpus(device, cfg.parallel.world_size)
+    platform_for(device).check_local_ranks(cfg.parallel.world_size)
     ckpt = prepare_run_dir(cfg, run_dir, resume, datasets[0])
     if cfg.parallel.world_size == 1 and cfg.parallel.max_restarts == 0:
         return _train_rank(cfg, run_dir, ckpt, console, device, datasets)
@@ -122,7 +113,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
 
 def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
     """One rank started by :func:`launch` (module level: it is pickled to the child)."""
-    cfg = from_dict(cfg_dict)
+    cfg = freeze(from_dict(cfg_dict))  # resolved before the ranks started
     device = resolve_device(cfg.parallel.device)
     return _rank_main(cfg, Path(run_dir), console, device, ckpt_path=ckpt_path, exit_on_error=True)
 
@@ -153,7 +144,7 @@ def _rank_main(
         device = init_distributed(device, p.world_size, p.timeout_s, p.pin_cores)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    ckpt_group = CheckpointGroup(world)  # verification's, then the saves' (one gloo group)
+    ckpt_group = CheckpointGroup(world)  # verification's, then the writer's (one gloo group)
     try:
         restarted = restart_attempt() > 0
         if resume is not None or restarted:
@@ -222,17 +213,23 @@ def _train_rank(
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
     ckpt_group: CheckpointGroup | None = None,
 ) -> TrainResult:
-    """Build this rank's part of the model, restore a checkpoint, run the loop (saves and
-    loads on ``ckpt_group``'s group when verification left one open)."""
+    """Build this rank's part of the model, restore a checkpoint, run the loop.
+
+    ``cfg`` is the resolved config (frozen here when a caller resolved a plain one). Saves
+    and loads run on ``ckpt_group``'s group (verification's, when it made one), sized here.
+    """
+    cfg = freeze(cfg)
     torch.manual_seed(cfg.train.seed)
     allocator = "device"
-    if runs_on_host(device):
+    if platform_for(device).is_host:
         torch.use_deterministic_algorithms(True, warn_only=True)
         allocator = cache_host_memory() if cfg.train.cpu_alloc_cache else "glibc"
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if ckpt_group is None:
+        ckpt_group = CheckpointGroup(dist.get_world_size() if dist.is_initialized() else 1)
     phase_file = memory_phase_file(run_dir, rank, cfg.train.memory_phases)
     with MemoryPhases(device, phase_file, allocator) as phases:
-        model = ParallelModel.build(cfg, device, phases.mark, ckpt_group)
+        model = ParallelModel.build(cfg, device, phases.mark)
         train_ds, val_ds = datasets or open_datasets(cfg)
         dp, t, seq = model.comms.dp, cfg.train, cfg.data.seq_len
         loader = BatchLoader(
@@ -257,19 +254,10 @@ def _train_rank(
         phases.mark("optimizer state")
         # Saves and loads wait on the checkpoint group as long as the largest rank's shards
         # take to move at the slowest assumed rate, like verification (rundir/timeouts.py).
-        own = sharded(model.named_parameters(), optimizer)
-        model.comms = model.comms.with_ckpt_timeout(
-            checkpoint_timeout_s(own, model.comms.ckpt_group, cfg.parallel.timeout_s)
-        )
+        ckpt_group.size_to(sharded(model.named_parameters(), optimizer), cfg.parallel.timeout_s)
         release_freed_pages()  # the build's transients; the allocator keeps the step's pages
-        writer = CheckpointWriter(
-            checkpoints_dir(run_dir),
-            rank,
-            model.comms.ckpt_group,
-            t.keep_checkpoints,
-            t.async_ckpt,
-            device,
-            model.comms.ckpt_timeout_s,
+        writer = CheckpointWriter.on_group(
+            checkpoints_dir(run_dir), rank, ckpt_group, t.keep_checkpoints, t.async_ckpt, device
         )
         state = RunState(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases

@@ -14,8 +14,8 @@ import torch
 
 from boostlr.config import RunConfig, from_dict
 from boostlr.data import BatchLoader
-from boostlr.parallel.device import set_rng_states
 from boostlr.parallel.engine import ParallelModel
+from boostlr.platform import set_rng_states
 from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, load_trainer_state
 from boostlr.rundir.layout import TOKENIZER_FILE
 from boostlr.rundir.payload import checkpoint_payload, sharded
@@ -53,9 +53,9 @@ class RunState:
 
 def restore(state: RunState, ckpt: Checkpoint) -> None:
     """Weights, AdamW moments, data position, RNG and schedule — at any layout."""
-    comms = state.model.comms
-    with checkpoint_collectives(comms.ckpt_timeout_s):
-        load_sharded_state(ckpt, sharded_state(state), comms.ckpt_group)
+    writer = state.writer  # loads wait on the writer's group, sized as for its saves
+    with checkpoint_collectives(writer.timeout_s):
+        load_sharded_state(ckpt, sharded_state(state), writer.group)
     trainer, rng = load_trainer_state(ckpt, state.rank)
     state.loader.load_state_dict(trainer["loader"])
     set_rng_states(rng)

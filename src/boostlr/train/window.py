@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from boostlr.errors import TrainingDiverged
-from boostlr.parallel.device import synchronize
 from boostlr.parallel.ledger import CommLedger
+from boostlr.platform import platform_for
 from boostlr.rundir.checkpoint import newest_checkpoint
 from boostlr.rundir.layout import checkpoints_dir
 from boostlr.train.state import RunState
@@ -63,6 +63,6 @@ class Window:
         return loss, norm
 
     def seconds_per_step(self) -> float:
-        synchronize(self.device)
+        platform_for(self.device).synchronize(self.device)
         elapsed = time.perf_counter() - self.started - self.excluded
         return elapsed / max(1, self.steps)
