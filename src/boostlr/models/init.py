@@ -16,15 +16,9 @@ import torch
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import cola_std
 from boostlr.models.philox import HOST_CHUNK_COUNTERS, normal_box, stream_key
-from boostlr.models.shapes import linear_shapes
+from boostlr.models.shapes import block_linear, linear_shapes
 
 Box = Sequence[tuple[int, int]]
-
-
-def _linear_of(name: str) -> str:
-    """``layers.3.mlp.up_proj.down.weight`` -> ``up_proj``."""
-    parts = name.split(".")
-    return parts[3] if len(parts) > 3 and parts[0] == "layers" else ""
 
 
 def init_rule(cfg: ModelConfig, name: str) -> float | str:
@@ -39,10 +33,11 @@ def init_rule(cfg: ModelConfig, name: str) -> float | str:
         if name.endswith("cross.gate_down.weight"):
             return cola_std(cfg.rank, cfg.rank, cfg.lax_gate_rank)
         return "zeros"
-    if name.endswith((".down.weight", ".up.weight")):
-        d_in, d_out = linear_shapes(cfg)[_linear_of(name)]
+    linear = block_linear(name)
+    if linear is not None and name.endswith((".down.weight", ".up.weight")):
+        d_in, d_out = linear_shapes(cfg)[linear]
         return cola_std(d_in, d_out, cfg.rank)
-    if _linear_of(name):
+    if linear is not None:
         return cfg.init_std  # a dense block linear
     raise ValueError(f"no initialisation rule for parameter {name!r}")
 

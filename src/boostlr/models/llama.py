@@ -4,8 +4,9 @@ Module and parameter names follow HF ``LlamaForCausalLM`` (``embed_tokens``,
 ``layers.{i}.self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ``norm``,
 ``lm_head``) so export is a renaming of the prefix, never a reshuffle. The math that the
 tensor-parallel strategies share with the single-device model lives in module-level
-functions (:func:`causal_attention`, :func:`mlp_product`, :func:`rope_tables`) so a sharded
-block calls the same code on its slice of heads or of the MLP width.
+functions (:func:`causal_attention`, :func:`rope_tables`) so a sharded block calls the same
+code on its slice of heads. The block's MLP is pluggable: :func:`~boostlr.models.mlp.make_mlp`
+builds it and the strategies act on it through its roles (:mod:`boostlr.models.mlp`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from torch.torch_version import TorchVersion
 
 from boostlr.config import ModelConfig
 from boostlr.models.init import initial_value
-from boostlr.models.lowrank import BlockLinear, DenseLinear, LaxLinear, LowRankLinear
+from boostlr.models.lowrank import make_linear
+from boostlr.models.mlp import Latents, make_mlp
 from boostlr.models.norm import RMSNorm
 from boostlr.models.params import local
 from boostlr.models.shapes import ATTN_LINEARS, MLP_LINEARS, linear_shapes  # noqa: F401
 
-Latents = dict[str, torch.Tensor]
 # SDPA's ``enable_gqa`` (torch 2.5+): grouped K/V heads without ``repeat_interleave``.
 SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
 # Of CUDA's fused kernels only flash attention takes ``enable_gqa``, and only in half
@@ -36,19 +37,6 @@ _GQA_DTYPES = (torch.bfloat16, torch.float16)
 def gqa_in_kernel(q: torch.Tensor) -> bool:
     """Whether SDPA reads grouped K/V heads itself for queries like ``q`` (no copies)."""
     return SDPA_GQA and q.dtype in _GQA_DTYPES
-
-
-def make_linear(
-    cfg: ModelConfig, d_in: int, d_out: int, layer: int, device: torch.device | str | None
-) -> BlockLinear:
-    if cfg.arch == "full":
-        return DenseLinear(d_in, d_out, device=device)
-    if cfg.arch == "lax":
-        gate = cfg.lax_gate if layer > 0 else None
-        return LaxLinear(
-            d_in, d_out, cfg.rank, gate, cfg.lax_gate_rank, cfg.norm_eps, device=device
-        )
-    return LowRankLinear(d_in, d_out, cfg.rank, activation=cfg.arch == "cola", device=device)
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -107,11 +95,6 @@ def causal_attention(
     return out.transpose(1, 2).reshape(b, s, -1)
 
 
-def mlp_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
-    """``silu(g) ⊙ u`` (SwiGLU) or ``g ⊙ u`` (CoLA's low-rank-only MLP: σ sits in the linears)."""
-    return F.silu(gate) * up if form == "swiglu" else gate * up
-
-
 # ----------------------------------------------------------------------------- modules
 
 
@@ -135,22 +118,6 @@ class Attention(nn.Module):
         return y, z
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None):
-        super().__init__()
-        self.form = cfg.mlp_form
-        for name, (d_in, d_out) in linear_shapes(cfg).items():
-            if name in MLP_LINEARS:
-                setattr(self, name, make_linear(cfg, d_in, d_out, layer, device))
-
-    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
-        z: Latents = {}
-        g, z["gate_proj"] = self.gate_proj(x, _get(z_prev, "gate_proj"))
-        u, z["up_proj"] = self.up_proj(x, _get(z_prev, "up_proj"))
-        y, z["down_proj"] = self.down_proj(mlp_product(g, u, self.form), _get(z_prev, "down_proj"))
-        return y, z
-
-
 class Block(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -159,7 +126,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.self_attn = Attention(cfg, layer, device)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.mlp = MLP(cfg, layer, device)
+        self.mlp = make_mlp(cfg, layer, device)
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""The seven block linears of every arch behind one interface.
+"""The seven block linears of every arch behind one interface, and :func:`make_linear`.
 
 Each linear maps ``(x, z_prev) -> (y, z)``: ``z`` is the latent LaX hands to the same linear of
 the next block (``None`` for the other archs). Low-rank linears expose their two halves
@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from boostlr.config import ModelConfig
 from boostlr.models.norm import RMSNorm
 from boostlr.models.params import local
+from boostlr.specs.arch import DENSE, LAX, LOWRANK, arch_spec
 
 
 def cola_std(d_in: int, d_out: int, rank: int) -> float:
@@ -80,11 +82,11 @@ class LatentCrossing(nn.Module):
         super().__init__()
         self.norm = RMSNorm(rank, eps, device=device)
         self.gate_kind = gate
-        if gate == "full":
-            self.gate = nn.Linear(rank, rank, bias=False, device=device)
-        elif gate == "factored":
+        if gate == "factored":
             self.gate_down = nn.Linear(rank, gate_rank, bias=False, device=device)
             self.gate_up = nn.Linear(gate_rank, rank, bias=False, device=device)
+        elif gate is not None:  # "full": one r x r map
+            self.gate = nn.Linear(rank, rank, bias=False, device=device)
 
     def forward(
         self, a: torch.Tensor, z_prev: torch.Tensor | None
@@ -93,11 +95,11 @@ class LatentCrossing(nn.Module):
         if self.gate_kind is not None:
             if z_prev is None:
                 raise ValueError("LaX crossing with a gate needs the previous block's latent")
-            if self.gate_kind == "full":
-                u = u + F.linear(z_prev, local(self.gate.weight))
-            else:
+            if self.gate_kind == "factored":
                 inner = F.linear(z_prev, local(self.gate_down.weight))
                 u = u + F.linear(inner, local(self.gate_up.weight))
+            else:
+                u = u + F.linear(z_prev, local(self.gate.weight))
         return self.norm(u), u
 
 
@@ -125,3 +127,22 @@ class LaxLinear(LowRankLinear):
 
 
 BlockLinear = DenseLinear | LowRankLinear
+
+
+def make_linear(
+    cfg: ModelConfig, d_in: int, d_out: int, layer: int, device: torch.device | str | None
+) -> BlockLinear:
+    """The block linear of ``cfg.arch``, built by its spec's linear kind (no arch names)."""
+    spec = arch_spec(cfg.arch)
+    if spec.linear == DENSE:
+        return DenseLinear(d_in, d_out, device=device)
+    if spec.linear == LAX:
+        gate = cfg.lax_gate if layer > 0 else None
+        return LaxLinear(
+            d_in, d_out, cfg.rank, gate, cfg.lax_gate_rank, cfg.norm_eps, device=device
+        )
+    if spec.linear == LOWRANK:
+        return LowRankLinear(
+            d_in, d_out, cfg.rank, activation=spec.latent_activation, device=device
+        )
+    raise ValueError(f"arch {spec.name!r}: no block linear of kind {spec.linear!r}")

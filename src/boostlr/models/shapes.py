@@ -1,16 +1,46 @@
 """The block's seven linears and their shapes, without torch: what planning reads.
 
 The cost model and the parameter initialiser need the shapes but not the modules, so they
-come from here rather than from :mod:`boostlr.models.llama`.
+come from here rather than from :mod:`boostlr.models.llama`. The MLP's linears are also named
+by role (:class:`MlpLinears`): the tensor-parallel strategies act on an MLP through its
+roles (:mod:`boostlr.models.mlp`), never through these names.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from boostlr.config import ModelConfig
 
+
+@dataclass(frozen=True)
+class MlpLinears:
+    """An MLP's linears by what they do to the residual stream.
+
+    ``reads``: the linears that read the normed residual (column-parallel under Megatron,
+    folded into the norm's grouped down-projection under BTP), in order; ``writes``: the one
+    that writes the residual back (row-parallel: the block's all-reduce follows it).
+    """
+
+    reads: tuple[str, ...]
+    writes: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*self.reads, self.writes)
+
+
+#: LLaMA's gated MLP: ``down(gate(x) ⊙ up(x))`` (with or without SiLU on ``gate``).
+GATED_MLP = MlpLinears(reads=("gate_proj", "up_proj"), writes="down_proj")
+
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+MLP_LINEARS = GATED_MLP.names
 LINEARS = ATTN_LINEARS + MLP_LINEARS
+#: The module of the block that holds each linear (``layers.{i}.{holder}.{linear}``).
+HOLDER = {**dict.fromkeys(ATTN_LINEARS, "self_attn"), **dict.fromkeys(MLP_LINEARS, "mlp")}
+#: The linears that write the residual stream (the others read the normed residual, or
+#: attention's output).
+WRITES_RESIDUAL = ("o_proj", GATED_MLP.writes)
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -25,3 +55,13 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "up_proj": (d, f),
         "down_proj": (f, d),
     }
+
+
+def block_linear(name: str) -> str | None:
+    """The block linear parameter ``name`` belongs to (``layers.3.mlp.up_proj.down.weight``
+    -> ``up_proj``), ``None`` for any other parameter: a new module's parameters (an MLP
+    kind's router, say) must get rules of their own, not fall into a linear's."""
+    parts = name.split(".")
+    if len(parts) < 5 or parts[0] != "layers" or parts[3] not in HOLDER:
+        return None
+    return parts[3]

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention, mlp_product
+from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention
 from boostlr.models.lowrank import LowRankLinear
+from boostlr.models.mlp import GATED, gated
 from boostlr.models.norm import rms_norm
 from boostlr.models.params import local
 from boostlr.parallel.collectives import (
@@ -40,6 +41,11 @@ from boostlr.parallel.collectives import (
 )
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.vocab import vocab_parallel_embedding
+from boostlr.specs.strategy import BTP
+
+SPEC = BTP
+#: The MLP kinds :func:`block_forward` runs.
+MLP_KINDS = (GATED,)
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
@@ -329,17 +335,20 @@ def _up_math(hs: list[Tensor], weights: list[Tensor], grouped: bool) -> list[Ten
 # ------------------------------------------------------------------------ the block
 
 QKV = ["q_proj", "k_proj", "v_proj"]
-GATE_UP = ["gate_proj", "up_proj"]
+#: The region (and all-reduce) name of the MLP's readers' grouped down-projection.
+MLP_READS = "gate_up"
 
 
 def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents]:
     """One block on the d-sharded residual ``x``; four ``[T, r·k]`` all-reduces forward."""
-    attn, mlp, cfg = block.self_attn, block.mlp, ctx.cfg
+    attn, mlp, cfg = block.self_attn, gated(block.mlp, SPEC.name), ctx.cfg
     qkv = [getattr(attn, n) for n in QKV]
     grouped = ctx.grouping
-    gate_up = [getattr(mlp, n) for n in GATE_UP]
+    reads = mlp.readers()
+    read_names, readers = [name for name, _ in reads], [lin for _, lin in reads]
+    write_name, writer = mlp.writer()
     z: Latents = {}
 
     # Region ending at A_qkv: norm folded into the grouped down-projection.
@@ -374,33 +383,34 @@ def block_forward(
     z.update(z_o)
     (h_o,), pending_o = _enter_region([h_o], ctx, "o_proj")
 
-    # Region: B_o writes the residual slice, then the MLP norm folded into [A_gate|A_up].
+    # Region: B_o writes the residual slice, then the MLP norm folded into the readers' A's
+    # ([A_gate|A_up]).
     def residual_attn_region(h: Tensor, x_: Tensor) -> tuple[Tensor, ...]:
         (b_o,) = _up([h], [local(attn.o_proj.up.weight)], grouped, pending_o)
         x_ = x_ + b_o
-        downs = [local(l.down.weight) for l in gate_up]
+        downs = [local(l.down.weight) for l in readers]
         gain = local(mlp_norm.weight)
         return (x_, *_norm_down_partial(x_, gain, mlp_norm.eps, downs, grouped, whole))
 
-    x, *parts = ctx.region("gate_up", residual_attn_region, h_o, x)
-    pre = _reduce_norm_down(tuple(parts), cfg.dim, mlp_norm.eps, ctx, "gate_up")
-    hs, z_gu = _latents(gate_up, pre, GATE_UP, z_prev)
-    z.update(z_gu)
-    hs, pending_gu = _enter_region(hs, ctx, "gate_up")
+    x, *parts = ctx.region(MLP_READS, residual_attn_region, h_o, x)
+    pre = _reduce_norm_down(tuple(parts), cfg.dim, mlp_norm.eps, ctx, MLP_READS)
+    hs, z_reads = _latents(readers, pre, read_names, z_prev)
+    z.update(z_reads)
+    hs, pending_reads = _enter_region(hs, ctx, MLP_READS)
 
-    # Region: B_gate/B_up (this rank's slice of f) -> product -> partial A_down.
+    # Region: the readers' B's (this rank's slice of f) -> combine -> partial A of the writer.
     def mlp_region(*h: Tensor) -> Tensor:
-        g, u = _up(list(h), [local(l.up.weight) for l in gate_up], grouped, pending_gu)
-        return F.linear(mlp_product(g, u, mlp.form), local(mlp.down_proj.down.weight))
+        outs = _up(list(h), [local(l.up.weight) for l in readers], grouped, pending_reads)
+        return F.linear(mlp.combine(*outs), local(writer.down.weight))
 
-    p_d = reduce_from_group(ctx.region("down_proj", mlp_region, *hs), ctx.comm, "down_proj")
-    (h_d,), z_d = _latents([mlp.down_proj], [p_d], ["down_proj"], z_prev)
+    p_d = reduce_from_group(ctx.region(write_name, mlp_region, *hs), ctx.comm, write_name)
+    (h_d,), z_d = _latents([writer], [p_d], [write_name], z_prev)
     z.update(z_d)
-    (h_d,), pending_d = _enter_region([h_d], ctx, "down_proj")
+    (h_d,), pending_d = _enter_region([h_d], ctx, write_name)
 
-    # Region: B_down writes the residual slice (continues into the next block's A_qkv).
+    # Region: the writer's B writes the residual slice (continues into the next block's A_qkv).
     def residual_mlp_region(h: Tensor, x_: Tensor) -> Tensor:
-        (b_down,) = _up([h], [local(mlp.down_proj.up.weight)], grouped, pending_d)
+        (b_down,) = _up([h], [local(writer.up.weight)], grouped, pending_d)
         return x_ + b_down
 
     return ctx.region("residual", residual_mlp_region, h_d, x), z

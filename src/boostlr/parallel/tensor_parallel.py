@@ -8,8 +8,6 @@ global shapes, so checkpoints are written and read by name at any layout.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,15 +15,14 @@ from torch import Tensor, nn
 from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.models.params import local
 from boostlr.models.placement import shard_dim
-from boostlr.parallel import btp, megatron, single, vanilla
 from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.head_loss import head_cross_entropy
 from boostlr.parallel.sharding import ShardSpec
+from boostlr.parallel.strategies import runtime_for
 from boostlr.parallel.vocab import gather_batch, vocab_parallel_cross_entropy
 from boostlr.specs.arch import arch_spec
 
-STRATEGIES: dict[str, ModuleType] = {"megatron": megatron, "vanilla": vanilla, "btp": btp}
 LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: The residual stream's dtype, at every layout and under every ``train.dtype``.
 RESIDUAL_DTYPE = torch.float32
@@ -69,7 +66,7 @@ class TensorParallelModel(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.ctx = ctx
-        self.strategy = STRATEGIES[strategy] if strategy else single
+        self.strategy = runtime_for(strategy, model)
         self.specs: dict[str, ShardSpec] = {
             name: ShardSpec(shard_dim(name, strategy)) for name, _ in model.named_parameters()
         }

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from boostlr.models.llama import Block, Latents, causal_attention, mlp_product
+from boostlr.models.llama import Block, Latents, causal_attention
 from boostlr.models.lowrank import LaxLinear, LowRankLinear
+from boostlr.models.mlp import GATED, gated
 from boostlr.models.params import local
 from boostlr.parallel import megatron
 from boostlr.parallel.collectives import (
@@ -23,6 +24,11 @@ from boostlr.parallel.collectives import (
     scatter_to_group,
 )
 from boostlr.parallel.context import TPContext, wire
+from boostlr.specs.strategy import VANILLA
+
+SPEC = VANILLA
+#: The MLP kinds :func:`block_forward` runs.
+MLP_KINDS = (GATED,)
 
 # The dense parts (embedding, LM head, loss) are Megatron's vocab-parallel ones.
 embed = megatron.embed
@@ -46,7 +52,7 @@ def lowrank_linear(
 def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents]:
-    attn, mlp, comm = block.self_attn, block.mlp, ctx.comm
+    attn, mlp, comm = block.self_attn, gated(block.mlp, SPEC.name), ctx.comm
     zp = z_prev or {}
     z: Latents = {}
     h = copy_to_group(wire(block.input_layernorm(x)), comm, "attn_in")
@@ -57,8 +63,11 @@ def block_forward(
     o, z["o_proj"] = lowrank_linear(attn.o_proj, out, zp.get("o_proj"), ctx, "o_proj")
     x = x + o
     h = copy_to_group(wire(block.post_attention_layernorm(x)), comm, "mlp_in")
-    g, z["gate_proj"] = lowrank_linear(mlp.gate_proj, h, zp.get("gate_proj"), ctx, "gate_proj")
-    u, z["up_proj"] = lowrank_linear(mlp.up_proj, h, zp.get("up_proj"), ctx, "up_proj")
-    prod = copy_to_group(wire(mlp_product(g, u, mlp.form)), comm, "down_in")
-    d, z["down_proj"] = lowrank_linear(mlp.down_proj, prod, zp.get("down_proj"), ctx, "down_proj")
+    outs = []
+    for name, lin in mlp.readers():
+        out, z[name] = lowrank_linear(lin, h, zp.get(name), ctx, name)
+        outs.append(out)
+    prod = copy_to_group(wire(mlp.combine(*outs)), comm, "down_in")
+    name, down = mlp.writer()
+    d, z[name] = lowrank_linear(down, prod, zp.get(name), ctx, name)
     return x + d, z
