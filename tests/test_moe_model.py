@@ -1,0 +1,463 @@
+"""The MoE MLP on one device, checked against a plain per-token, per-expert loop.
+
+The loop (:func:`loop_reference`) runs in float64 on a copy of the module, one token and
+one chosen expert at a time, with the design notes' formulas written out; the module runs
+in fp32, so the two differ by fp32 rounding only. ``latent`` dispatch is also checked
+against what the design says it equals: a MoE of whole CoLA MLPs whose outer factors are tied.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from boostlr.config import ModelConfig, RunConfig, dump_toml, from_dict, resolve_model, to_dict
+from boostlr.config.schema import OMITTED_AT_DEFAULT
+from boostlr.config.validate_moe import moe_dispatch_of, validate_moe
+from boostlr.errors import ConfigError
+from boostlr.models import moe_dispatch
+from boostlr.models.llama import build_model
+from boostlr.models.lowrank import cola_std
+from boostlr.models.moe import (
+    MoEMLP,
+    Routing,
+    balance_loss,
+    make_moe_mlp,
+    moe_layers,
+    update_expert_biases,
+)
+from boostlr.models.moe_experts import moe_init_rule
+
+TOL = 2e-5  # max |fp32 - float64| / max |float64|; a wrong formula is off by O(1)
+
+
+def moe_cfg(**kw) -> ModelConfig:
+    base = dict(
+        preset="tiny", dim=16, n_heads=2, n_kv_heads=2, ffn_dim=32, n_layers=2, rank=4,
+        moe_experts=4, moe_top_k=2, moe_ffn_dim=8, vocab_size=32,
+    )  # fmt: skip
+    cfg = resolve_model(ModelConfig(**{**base, **kw}))
+    validate_moe(cfg)
+    return cfg
+
+
+def build(cfg: ModelConfig, seed: int, layer: int = 1) -> MoEMLP:
+    """A MoE layer with random weights of unit-scale outputs and a random selection bias."""
+    m = make_moe_mlp(cfg, layer)
+    assert m is not None
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        if hasattr(m.router, "expert_bias"):
+            m.router.expert_bias.copy_(0.2 * torch.randn(cfg.moe_experts, generator=gen))
+    return m
+
+
+def act(x: torch.Tensor, on: bool) -> torch.Tensor:
+    return F.silu(x) if on else x
+
+
+def expert_linear(module, x: torch.Tensor, e: int, arch: str) -> torch.Tensor:
+    """Expert ``e``'s copy of one block linear on one token, from the stacked weights."""
+    if arch == "full":
+        return module.weight[e] @ x
+    return module.up.weight[e] @ act(module.down.weight[e] @ x, arch != "svd")
+
+
+def product(g: torch.Tensor, u: torch.Tensor, form: str) -> torch.Tensor:
+    return F.silu(g) * u if form == "swiglu" else g * u
+
+
+def loop_reference(
+    m: MoEMLP, cfg: ModelConfig, x: torch.Tensor, z_prev: dict | None
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """(y, aux, choices): the MoE layer token by token, expert by expert."""
+    b, s, _ = x.shape
+    E, k, form, on = cfg.moe_experts, cfg.moe_top_k, cfg.mlp_form, cfg.arch != "svd"
+    rows, choices, scores = [], [], []
+    for bi in range(b):
+        for si in range(s):
+            xt = x[bi, si]
+            logits = m.router.weight @ xt
+            if cfg.moe_balance == "bias":
+                sig = torch.sigmoid(logits)
+                normed = sig / sig.sum()
+                key = (sig + m.router.expert_bias).tolist()
+            else:
+                normed = torch.softmax(logits, 0)
+                key = normed.tolist()
+            chosen = sorted(range(E), key=lambda i: -key[i])[:k]
+            w = normed[chosen] / normed[chosen].sum()
+            if m.latent:
+                zs = []
+                for name in ("gate_proj", "up_proj"):
+                    part = getattr(m, name)
+                    a = part.down.weight @ xt
+                    if hasattr(part, "cross"):
+                        prev = None if z_prev is None else z_prev[name][bi, si]
+                        zs.append(F.silu(part.cross(a, prev)[0]))
+                    else:
+                        zs.append(act(a, on))
+                zg, zu = zs
+
+                def inner(ex, e: int) -> torch.Tensor:
+                    h = product(ex.gate_proj.up.weight[e] @ zg, ex.up_proj.up.weight[e] @ zu, form)
+                    return act(ex.down_proj.down.weight[e] @ h, on)
+
+                acc = sum(w[j] * inner(m.experts, e) for j, e in enumerate(chosen))
+                for e in range(cfg.moe_shared):
+                    acc = acc + inner(m.shared, e)
+                y = m.down_proj.up.weight @ acc
+            else:
+
+                def whole(ex, e: int) -> torch.Tensor:
+                    g = expert_linear(ex.gate_proj, xt, e, cfg.arch)
+                    u = expert_linear(ex.up_proj, xt, e, cfg.arch)
+                    return expert_linear(ex.down_proj, product(g, u, form), e, cfg.arch)
+
+                y = sum(w[j] * whole(m.experts, e) for j, e in enumerate(chosen))
+                for e in range(cfg.moe_shared):
+                    y = y + whole(m.shared, e)
+            rows.append(y)
+            choices.append(chosen)
+            scores.append(normed)
+    aux = x.new_zeros(())
+    for bi in range(b):  # sequence-level balance loss, straight from its definition
+        seq = range(bi * s, (bi + 1) * s)
+        f = [E / (k * s) * sum(i in choices[t] for t in seq) for i in range(E)]
+        p = [sum(scores[t][i] for t in seq) / s for i in range(E)]
+        aux = aux + sum(f[i] * p[i] for i in range(E)) / b
+    coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0
+    return torch.stack(rows).view(b, s, -1), coef * aux, choices
+
+
+def rel(a: torch.Tensor, exact: torch.Tensor) -> float:
+    """``max |a - exact| / max |exact|``; a gradient that is zero in exact arithmetic (the
+    router's at top-1, whose weight is always 1) is measured against 1e-4 instead."""
+    exact = exact.double()
+    return ((a.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-4)).item()
+
+
+def check_against_loop(cfg: ModelConfig, seed: int, b: int, s: int) -> None:
+    m = build(cfg, seed)
+    ref = copy.deepcopy(m).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(b, s, cfg.dim, generator=gen)
+    up = torch.randn(b, s, cfg.dim, generator=gen)
+    z_prev = None
+    if cfg.arch == "lax":
+        z_prev = {n: torch.randn(b, s, cfg.rank, generator=gen) for n in ("gate_proj", "up_proj")}
+    xr = x.double().requires_grad_()
+    zr = None if z_prev is None else {n: t.double() for n, t in z_prev.items()}
+    y_ref, aux_ref, choices = loop_reference(ref, cfg, xr, zr)
+    # Near-ties between the fp32 and float64 selections are not what this test is about.
+    for row in torch.sigmoid(ref.router.weight.detach() @ xr.detach().reshape(-1, cfg.dim).T).T:
+        gaps = (row[:, None] - row[None, :]).abs() + torch.eye(len(row), dtype=row.dtype)
+        assume(cfg.moe_balance == "aux" or bool(gaps.min() > 1e-4))
+    xm = x.clone().requires_grad_()
+    y, _ = m(xm, z_prev)
+    assert m.router(xm.detach().reshape(-1, cfg.dim)).idx.tolist() == choices
+    assert rel(y.detach(), y_ref.detach()) < TOL
+    ((y_ref * up.double()).sum() + aux_ref).backward()
+    (y * up).sum().backward()  # the balance loss's gradient is added by the layer itself
+    if cfg.moe_balance == "aux":
+        assert abs(m.aux_loss.item() - aux_ref.item()) < TOL * abs(aux_ref.item())
+    assert rel(xm.grad, xr.grad) < TOL
+    grads = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        assert p.grad is not None, name
+        assert rel(p.grad, grads[name].grad) < TOL, name
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arch=st.sampled_from(["cola", "svd", "lax", "full"]),
+    hidden=st.booleans(),
+    balance=st.sampled_from(["bias", "aux"]),
+    experts=st.integers(1, 5),
+    top_k=st.integers(1, 5),
+    shared=st.integers(0, 2),
+    swiglu=st.booleans(),
+    b=st.integers(1, 3),
+    s=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_forward_backward_match_the_loop(
+    arch, hidden, balance, experts, top_k, shared, swiglu, b, s, seed
+) -> None:
+    dispatch = "hidden" if arch == "full" or (hidden and arch != "lax") else "latent"
+    cfg = moe_cfg(
+        arch=arch,
+        moe_dispatch=dispatch,
+        moe_balance=balance,
+        moe_experts=experts,
+        moe_top_k=min(top_k, experts),
+        moe_shared=shared,
+        mlp="swiglu" if swiglu or arch == "full" else "lowrank-only",
+        moe_aux_coef=0.3,
+    )
+    check_against_loop(cfg, seed, b, s)
+
+
+@pytest.mark.parametrize("arch", ["cola", "svd"])
+@pytest.mark.parametrize("form", ["lowrank-only", "swiglu"])
+def test_latent_equals_whole_mlps_with_tied_outer_factors(arch: str, form: str) -> None:
+    """§9's claim: latent dispatch is the MoE of whole CoLA MLPs sharing A_g, A_u and B_d."""
+    cfg = moe_cfg(arch=arch, mlp=form, moe_shared=2, moe_dispatch="latent")
+    latent = build(cfg, seed=3)
+    whole = make_moe_mlp(moe_cfg(arch=arch, mlp=form, moe_shared=2, moe_dispatch="hidden"), 1)
+    with torch.no_grad():
+        whole.router.weight.copy_(latent.router.weight)
+        whole.router.expert_bias.copy_(latent.router.expert_bias)
+        for name in ("experts", "shared"):
+            lat, wh = getattr(latent, name), getattr(whole, name)
+            wh.gate_proj.down.weight.copy_(latent.gate_proj.down.weight.expand_as(wh.gate_proj.down.weight))
+            wh.up_proj.down.weight.copy_(latent.up_proj.down.weight.expand_as(wh.up_proj.down.weight))
+            wh.down_proj.up.weight.copy_(latent.down_proj.up.weight.expand_as(wh.down_proj.up.weight))
+            wh.gate_proj.up.weight.copy_(lat.gate_proj.up.weight)
+            wh.up_proj.up.weight.copy_(lat.up_proj.up.weight)
+            wh.down_proj.down.weight.copy_(lat.down_proj.down.weight)
+    x = torch.randn(2, 7, cfg.dim, generator=torch.Generator().manual_seed(9))
+    y_lat, _ = latent(x, None)
+    y_whole, _ = whole(x, None)
+    assert rel(y_lat, y_whole) < TOL
+    y_lat.square().sum().backward()
+    y_whole.square().sum().backward()
+    for name in ("experts", "shared"):  # each expert's own factors: the same gradient
+        lat, wh = getattr(latent, name), getattr(whole, name)
+        assert rel(lat.gate_proj.up.weight.grad, wh.gate_proj.up.weight.grad) < TOL
+        assert rel(lat.down_proj.down.weight.grad, wh.down_proj.down.weight.grad) < TOL
+    for outer, factor in (("gate_proj", "down"), ("up_proj", "down"), ("down_proj", "up")):
+        tied = sum(
+            getattr(getattr(getattr(whole, n), outer), factor).weight.grad.sum(0)
+            for n in ("experts", "shared")
+        )  # a tied factor's gradient is the sum of its copies'
+        assert rel(getattr(getattr(latent, outer), factor).weight.grad, tied) < TOL
+
+
+@pytest.mark.parametrize("balance", ["bias", "aux"])
+@pytest.mark.parametrize("dispatch", ["latent", "hidden"])
+def test_all_experts_with_equal_scores_average(balance: str, dispatch: str) -> None:
+    cfg = moe_cfg(moe_top_k=4, moe_balance=balance, moe_dispatch=dispatch, moe_shared=1)
+    m = build(cfg, seed=5)
+    with torch.no_grad():
+        m.router.weight.zero_()
+        if balance == "bias":
+            m.router.expert_bias.zero_()
+    x = torch.randn(3, 4, cfg.dim)
+    route = m.router(x.reshape(-1, cfg.dim))
+    assert torch.equal(route.weights, torch.full((12, 4), 0.25))
+    y, _ = m(x, None)
+    payload = x.reshape(-1, cfg.dim)
+    if m.latent:
+        payload = torch.cat([F.silu(m.gate_proj.down(payload)), F.silu(m.up_proj.down(payload))], -1)
+    inner = m.experts(payload, None).mean(0) + m.shared(payload, None).sum(0)
+    expected = m.down_proj.up(inner) if m.latent else inner
+    assert rel(y.detach(), expected.detach().view(3, 4, -1)) < TOL
+
+
+def kept_by_hand(idx: list[list[int]], experts: int, capacity: int) -> list[list[bool]]:
+    """First choices before second ones, earlier tokens first; past capacity is dropped."""
+    used = [0] * experts
+    kept = [[False] * len(idx[0]) for _ in idx]
+    for j in range(len(idx[0])):
+        for t, row in enumerate(idx):
+            kept[t][j] = used[row[j]] < capacity
+            used[row[j]] += 1
+    return kept
+
+
+@pytest.mark.parametrize("dispatch", ["latent", "hidden"])
+def test_capacity_drops_are_counted_and_deterministic(dispatch: str) -> None:
+    cfg = moe_cfg(moe_capacity=0.5, moe_dispatch=dispatch, moe_shared=1)
+    m = build(cfg, seed=11)
+    with torch.no_grad():  # crowd expert 0 so that it overflows
+        m.router.expert_bias.copy_(torch.tensor([3.0, 0.0, 0.0, 0.0]))
+    x = torch.randn(2, 8, cfg.dim, generator=torch.Generator().manual_seed(2))
+    y, _ = m(x, None)
+    route = m.router(x.reshape(-1, cfg.dim))
+    capacity = moe_dispatch.capacity_of(16, 2, 4, 0.5)
+    kept = kept_by_hand(route.idx.tolist(), 4, capacity)
+    dropped = sum(not k for row in kept for k in row)
+    assert dropped > 0 and m.dropped.item() == dropped
+    # The same layer without capacity, with the dropped copies' weights zeroed.
+    mask = torch.tensor(kept, dtype=route.weights.dtype)
+    weights = route.weights * mask
+    payload = x.reshape(-1, cfg.dim)
+    if m.latent:
+        payload = torch.cat([F.silu(m.gate_proj.down(payload)), F.silu(m.up_proj.down(payload))], -1)
+    out = moe_dispatch.dropless(payload, route.idx, weights, 4, m.experts)
+    out = out + m.shared(payload, None).sum(0)
+    expected = m.down_proj.up(out) if m.latent else out
+    assert rel(y.detach(), expected.detach().view(2, 8, -1)) < TOL
+    y2, _ = m(x, None)
+    assert torch.equal(y, y2) and m.dropped.item() == dropped
+
+
+def test_enough_capacity_equals_dropless() -> None:
+    cfg = moe_cfg()
+    m = build(cfg, seed=4)
+    x = torch.randn(2, 6, cfg.dim)
+    y, _ = m(x, None)
+    m.capacity = 2.0  # E / k: room for every copy even if all go to one expert
+    y_cap, _ = m(x, None)
+    assert m.dropped.item() == 0
+    assert rel(y_cap, y) < TOL
+
+
+def test_host_sync_is_one_count_copy_per_dropless_layer(monkeypatch) -> None:
+    calls = []
+    real = moe_dispatch.host_counts
+    monkeypatch.setattr(moe_dispatch, "host_counts", lambda c: calls.append(1) or real(c))
+    m = build(moe_cfg(), seed=1)
+    x = torch.randn(2, 3, 16)
+    m(x, None)
+    assert len(calls) == 1
+    m.capacity = 1.0
+    m(x, None)
+    assert len(calls) == 1  # fixed shapes: no copy
+
+
+def test_bias_balance_counts_updates_and_stays_a_buffer() -> None:
+    cfg = moe_cfg(moe_bias_rate=0.01)
+    m = build(cfg, seed=8)
+    assert "router.expert_bias" in m.state_dict() and "router.load" not in m.state_dict()
+    assert "router.expert_bias" not in dict(m.named_parameters())
+    before = m.router.expert_bias.clone()
+    x = torch.randn(4, 5, cfg.dim)
+    m.eval()
+    m(x, None)
+    assert m.router.load.sum().item() == 0  # evaluation does not count
+    m.train()
+    y, _ = m(x, None)
+    y.sum().backward()
+    idx = m.router(x.reshape(-1, cfg.dim)).idx
+    load = torch.bincount(idx.reshape(-1), minlength=4)
+    assert torch.equal(m.router.load, load)
+    assert m.router.expert_bias.grad is None and not m.router.expert_bias.requires_grad
+    update_expert_biases(moe_layers(m))
+    mean = load.double().mean()
+    expected = before + 0.01 * torch.sign(mean - load.double()).float()
+    assert torch.equal(m.router.expert_bias, expected)
+    assert m.router.load.sum().item() == 0
+
+
+def test_balance_loss_by_hand() -> None:
+    # One sequence of two tokens, two experts, one choice each: f = E/(k s) x counts.
+    scores = torch.tensor([[0.7, 0.3], [0.4, 0.6]])
+    apart = Routing(torch.tensor([[0], [1]]), torch.ones(2, 1), scores)
+    assert balance_loss(apart, torch.Size([1, 2]), 2).item() == pytest.approx(1.0)
+    together = Routing(torch.tensor([[0], [0]]), torch.ones(2, 1), scores)
+    # f = [2, 0], P = [0.55, 0.45]
+    assert balance_loss(together, torch.Size([1, 2]), 2).item() == pytest.approx(1.1)
+
+
+def test_aux_gradient_follows_the_loss_scale() -> None:
+    cfg = moe_cfg(moe_balance="aux", moe_aux_coef=0.5)
+    grads = []
+    for scale in (1.0, 0.25):
+        m = build(cfg, seed=6)
+        m.aux_scale = scale
+        y, _ = m(torch.randn(2, 5, cfg.dim, generator=torch.Generator().manual_seed(0)), None)
+        (y * 0).sum().backward()  # only the balance loss's gradient remains
+        grads.append(m.router.weight.grad)
+    assert grads[0].abs().max() > 0
+    assert torch.allclose(grads[1], 0.25 * grads[0], rtol=1e-6, atol=0)
+
+
+def test_bf16_autocast_routes_in_fp32() -> None:
+    cfg = moe_cfg()
+    m = build(cfg, seed=2)
+    x = torch.randn(2, 5, cfg.dim)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = m(x, None)
+        route = m.router(x.reshape(-1, cfg.dim))
+    assert y.dtype == torch.bfloat16 and bool(torch.isfinite(y.float()).all())
+    assert route.weights.dtype == torch.float32
+    assert torch.equal(route.idx, m.router(x.reshape(-1, cfg.dim)).idx)
+
+
+def test_dense_default_is_unchanged() -> None:
+    dense = resolve_model(ModelConfig(preset="tiny", vocab_size=64))
+    assert all(make_moe_mlp(dense, i) is None for i in range(dense.n_layers))
+    keys = list(build_model(dense).state_dict())
+    assert not any("router" in k or "experts" in k for k in keys)
+    assert keys[:3] == ["embed_tokens.weight", "layers.0.input_layernorm.weight",
+                        "layers.0.self_attn.q_proj.down.weight"]  # fmt: skip
+    saved = to_dict(RunConfig())
+    assert not set(OMITTED_AT_DEFAULT["model"]) & set(saved["model"])
+    assert "moe" not in dump_toml(RunConfig())
+    moe = RunConfig()
+    moe.model.moe_experts, moe.model.moe_ffn_dim = 4, 32
+    saved = to_dict(moe)["model"]
+    assert saved["moe_experts"] == 4 and saved["moe_ffn_dim"] == 32
+    assert "moe_top_k" not in saved  # still at its default
+    assert from_dict(to_dict(moe)).model == moe.model
+
+
+def test_first_layers_stay_dense() -> None:
+    cfg = moe_cfg(n_layers=4, moe_dense_layers=2)
+    assert [make_moe_mlp(cfg, i) is None for i in range(4)] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("kw", "layout", "message"),
+    [
+        (dict(moe_top_k=5), {}, "moe_top_k 5 must be in [1, model.moe_experts = 4]"),
+        (dict(moe_ffn_dim=None), {}, "model.moe_ffn_dim is missing"),
+        (dict(moe_dense_layers=2), {}, "model.moe_dense_layers 2 must be in [0"),
+        (dict(arch="full", moe_dispatch="latent"), {}, "latent needs a low-rank arch"),
+        (dict(arch="lax", moe_dispatch="hidden"), {}, "hidden is not supported for arch lax"),
+        (dict(moe_experts=-1), {}, "model.moe_experts must be >= 0"),
+        (dict(moe_experts=0, moe_top_k=3), {}, "model.moe_top_k is set but model.moe_experts"),
+        (dict(moe_capacity=-1.0), {}, "model.moe_capacity must be >= 0"),
+        (dict(moe_balance="loss"), {}, "model.moe_balance 'loss' is not one of: bias, aux"),
+        (dict(rank=12), {}, "model.rank 12 exceeds model.moe_ffn_dim 8"),
+        ({}, dict(tp=2), "not supported yet with parallel.tp > 1 or parallel.pp > 1"),
+        ({}, dict(pp=2), "not supported yet with parallel.tp > 1 or parallel.pp > 1"),
+    ],
+)
+def test_bad_moe_configs_are_one_line(kw: dict, layout: dict, message: str) -> None:
+    from boostlr.config import ParallelConfig
+
+    base = dict(
+        preset="tiny", dim=16, n_heads=2, ffn_dim=32, n_layers=2, rank=4,
+        moe_experts=4, moe_top_k=2, moe_ffn_dim=8,
+    )  # fmt: skip
+    cfg = resolve_model(ModelConfig(**{**base, **kw}))
+    with pytest.raises(ConfigError) as err:
+        validate_moe(cfg, ParallelConfig(**layout))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dispatch_auto_and_good_layouts() -> None:
+    assert moe_dispatch_of(moe_cfg(arch="cola")) == "latent"
+    assert moe_dispatch_of(moe_cfg(arch="lax")) == "latent"
+    assert moe_dispatch_of(moe_cfg(arch="full", mlp="swiglu")) == "hidden"
+    from boostlr.config import ParallelConfig
+
+    validate_moe(moe_cfg(), ParallelConfig(dp=4))
+
+
+@pytest.mark.parametrize("dispatch", ["latent", "hidden"])
+def test_init_rules_cover_every_moe_parameter(dispatch: str) -> None:
+    cfg = moe_cfg(arch="lax" if dispatch == "latent" else "cola", moe_dispatch=dispatch)
+    cfg.moe_shared = 1
+    m = make_moe_mlp(cfg, 1)
+    for name, _ in m.named_parameters():
+        rule = moe_init_rule(cfg, f"layers.1.mlp.{name}")
+        assert (rule is None) == (".cross." in f".{name}"), name
+    d, f, r = cfg.dim, cfg.moe_ffn_dim, cfg.rank
+    assert moe_init_rule(cfg, "layers.1.mlp.router.weight") == cfg.init_std
+    assert moe_init_rule(cfg, "layers.1.mlp.experts.down_proj.up.weight") == cola_std(f, d, r)
+    assert moe_init_rule(cfg, "layers.1.mlp.experts.gate_proj.down.weight") == cola_std(d, f, r)
+    cfg.moe_dense_layers = 1  # block 0 keeps the dense MLP and its rules
+    assert moe_init_rule(cfg, "layers.0.mlp.gate_proj.down.weight") is None
+    assert moe_init_rule(cfg, "layers.1.mlp.gate_proj.down.weight") == cola_std(d, f, r)
