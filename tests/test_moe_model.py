@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run_distributed
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -481,3 +482,45 @@ def test_init_rules_cover_every_moe_parameter(dispatch: str) -> None:
     cfg.moe_dense_layers = 1  # block 0 keeps the dense MLP and its rules
     assert moe_init_rule(cfg, "layers.0.mlp.gate_proj.down.weight") is None
     assert moe_init_rule(cfg, "layers.1.mlp.gate_proj.down.weight") == cola_std(d, f, r)
+
+
+def _bias_after_step(rank: int, world: int) -> tuple[list[int], list[float]]:
+    import torch.distributed as dist
+
+    m = build(moe_cfg(moe_bias_rate=0.01), seed=8)
+    x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(100 + rank))
+    m(x, None)[0].sum().backward()
+    load = m.router.load.tolist()
+    update_expert_biases([m], group=dist.group.WORLD)
+    return load, m.router.expert_bias.tolist()
+
+
+def test_bias_update_is_equal_on_every_rank() -> None:
+    """Ranks that saw different tokens sum their loads first, so every bias moves alike."""
+    (load0, bias0), (load1, bias1) = run_distributed(_bias_after_step, 2)
+    assert load0 != load1 and bias0 == bias1
+    total = torch.tensor(load0) + torch.tensor(load1)
+    start = build(moe_cfg(), seed=8).router.expert_bias
+    expected = start + 0.01 * torch.sign(total.double().mean() - total.double()).float()
+    assert bias0 == expected.tolist()
+
+
+@pytest.mark.parametrize("arch", ["cola", "lax", "full"])
+def test_moe_blocks_train_inside_the_model(arch: str) -> None:
+    """The layer drops into a block in place of the dense MLP (its latents included)."""
+    cfg = moe_cfg(arch=arch, n_layers=3, moe_dense_layers=1, moe_shared=1, moe_capacity=1.0)
+    if arch == "full":
+        cfg.mlp = "swiglu"
+    model = build_model(cfg, seed=0)
+    for i, block in model.layers.items():
+        mlp = make_moe_mlp(cfg, int(i))
+        if mlp is not None:
+            block.mlp = build(cfg, seed=int(i), layer=int(i))
+    assert len(moe_layers(model)) == 2
+    tokens = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    named = dict(model.named_parameters())
+    assert all(named[n].grad is not None for n in named if ".router." in n or ".experts." in n)
+    assert "layers.1.mlp.router.expert_bias" in model.state_dict()
