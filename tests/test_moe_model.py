@@ -104,40 +104,49 @@ def outer_latents(m: MoEMLP, xt: torch.Tensor, prev: dict | None, cfg: ModelConf
 
 def loop_reference(
     m: MoEMLP, cfg: ModelConfig, x: torch.Tensor, z_prev: dict | None
-) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-    """(y, aux, choices): the MoE layer token by token, expert by expert."""
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], int]:
+    """(y, aux, choices, dropped): the MoE layer token by token, expert by expert."""
     b, s, _ = x.shape
     E, k = cfg.moe_experts, cfg.moe_top_k
-    rows, choices, scores = [], [], []
-    for bi in range(b):
-        for si in range(s):
-            xt = x[bi, si]
-            logits = m.router.weight @ xt
-            if cfg.moe_balance == "bias":
-                sig = torch.sigmoid(logits)
-                normed = sig / sig.sum()
-                key = (sig + m.router.expert_bias).tolist()
-            else:
-                normed = torch.softmax(logits, 0)
-                key = normed.tolist()
-            chosen = sorted(range(E), key=lambda i: -key[i])[:k]
-            w = normed[chosen] / normed[chosen].sum()
-            if m.latent:
-                prev = None if z_prev is None else {n: t[bi, si] for n, t in z_prev.items()}
-                zg, zu = outer_latents(m, xt, prev, cfg)
-                acc = sum(
-                    w[j] * latent_expert(m.experts, e, zg, zu, cfg) for j, e in enumerate(chosen)
-                )
-                for e in range(cfg.moe_shared):
-                    acc = acc + latent_expert(m.shared, e, zg, zu, cfg)
-                y = m.down_proj.up.weight @ acc
-            else:
-                y = sum(w[j] * whole_expert(m.experts, e, xt, cfg) for j, e in enumerate(chosen))
-                for e in range(cfg.moe_shared):
-                    y = y + whole_expert(m.shared, e, xt, cfg)
+    tokens = [(bi, si) for bi in range(b) for si in range(s)]
+    choices, scores, weights = [], [], []
+    for bi, si in tokens:  # routing
+        logits = m.router.weight @ x[bi, si]
+        if cfg.moe_balance == "bias":
+            sig = torch.sigmoid(logits)
+            normed = sig / sig.sum()
+            key = (sig + m.router.expert_bias).tolist()
+        else:
+            normed = torch.softmax(logits, 0)
+            key = normed.tolist()
+        chosen = sorted(range(E), key=lambda i: -key[i])[:k]
+        choices.append(chosen)
+        scores.append(normed)
+        weights.append(normed[chosen] / normed[chosen].sum())
+    kept = [[True] * k for _ in tokens]
+    if cfg.moe_capacity:
+        capacity = math.ceil(cfg.moe_capacity * len(tokens) * k / E)
+        kept = kept_by_hand(choices, E, capacity)
+    rows = []
+    for t, (bi, si) in enumerate(tokens):  # experts, one kept copy at a time
+        xt, w = x[bi, si], weights[t]
+        copies = [(j, e) for j, e in enumerate(choices[t]) if kept[t][j]]
+        if m.latent:
+            prev = None if z_prev is None else {n: v[bi, si] for n, v in z_prev.items()}
+            zg, zu = outer_latents(m, xt, prev, cfg)
+            acc = x.new_zeros(cfg.rank)
+            for j, e in copies:
+                acc = acc + w[j] * latent_expert(m.experts, e, zg, zu, cfg)
+            for e in range(cfg.moe_shared):
+                acc = acc + latent_expert(m.shared, e, zg, zu, cfg)
+            rows.append(m.down_proj.up.weight @ acc)
+        else:
+            y = x.new_zeros(cfg.dim)
+            for j, e in copies:
+                y = y + w[j] * whole_expert(m.experts, e, xt, cfg)
+            for e in range(cfg.moe_shared):
+                y = y + whole_expert(m.shared, e, xt, cfg)
             rows.append(y)
-            choices.append(chosen)
-            scores.append(normed)
     aux = x.new_zeros(())
     for bi in range(b):  # sequence-level balance loss, straight from its definition
         seq = range(bi * s, (bi + 1) * s)
@@ -145,7 +154,19 @@ def loop_reference(
         p = [sum(scores[t][i] for t in seq) / s for i in range(E)]
         aux = aux + sum(f[i] * p[i] for i in range(E)) / b
     coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0
-    return torch.stack(rows).view(b, s, -1), coef * aux, choices
+    dropped = sum(not c for row in kept for c in row)
+    return torch.stack(rows).view(b, s, -1), coef * aux, choices, dropped
+
+
+def kept_by_hand(idx: list[list[int]], experts: int, capacity: int) -> list[list[bool]]:
+    """First choices before second ones, earlier tokens first; past capacity is dropped."""
+    used = [0] * experts
+    kept = [[False] * len(idx[0]) for _ in idx]
+    for j in range(len(idx[0])):
+        for t, row in enumerate(idx):
+            kept[t][j] = used[row[j]] < capacity
+            used[row[j]] += 1
+    return kept
 
 
 def payload_of(m: MoEMLP, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +195,7 @@ def check_against_loop(cfg: ModelConfig, seed: int, b: int, s: int) -> None:
         z_prev = {n: torch.randn(b, s, cfg.rank, generator=gen) for n in ("gate_proj", "up_proj")}
     xr = x.double().requires_grad_()
     zr = None if z_prev is None else {n: t.double() for n, t in z_prev.items()}
-    y_ref, aux_ref, choices = loop_reference(ref, cfg, xr, zr)
+    y_ref, aux_ref, choices, dropped = loop_reference(ref, cfg, xr, zr)
     # Near-ties between the fp32 and float64 selections are not what this test is about.
     for row in torch.sigmoid(ref.router.weight.detach() @ xr.detach().reshape(-1, cfg.dim).T).T:
         gaps = (row[:, None] - row[None, :]).abs() + torch.eye(len(row), dtype=row.dtype)
@@ -182,6 +203,8 @@ def check_against_loop(cfg: ModelConfig, seed: int, b: int, s: int) -> None:
     xm = x.clone().requires_grad_()
     y, _ = m(xm, z_prev)
     assert m.router(xm.detach().reshape(-1, cfg.dim)).idx.tolist() == choices
+    if cfg.moe_capacity:
+        assert m.dropped.item() == dropped
     assert rel(y.detach(), y_ref.detach()) < TOL
     ((y_ref * up.double()).sum() + aux_ref).backward()
     (y * up).sum().backward()  # the balance loss's gradient is added by the layer itself
@@ -195,7 +218,7 @@ def check_against_loop(cfg: ModelConfig, seed: int, b: int, s: int) -> None:
         assert rel(p.grad, grads[name], floor) < TOL, name
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     arch=st.sampled_from(["cola", "svd", "lax", "full"]),
     hidden=st.booleans(),
@@ -204,12 +227,13 @@ def check_against_loop(cfg: ModelConfig, seed: int, b: int, s: int) -> None:
     top_k=st.integers(1, 5),
     shared=st.integers(0, 2),
     swiglu=st.booleans(),
+    capacity=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.5]),
     b=st.integers(1, 3),
     s=st.integers(1, 5),
     seed=st.integers(0, 2**16),
 )
 def test_forward_backward_match_the_loop(
-    arch, hidden, balance, experts, top_k, shared, swiglu, b, s, seed
+    arch, hidden, balance, experts, top_k, shared, swiglu, capacity, b, s, seed
 ) -> None:
     dispatch = "hidden" if arch == "full" or (hidden and arch != "lax") else "latent"
     cfg = moe_cfg(
@@ -221,6 +245,7 @@ def test_forward_backward_match_the_loop(
         moe_shared=shared,
         mlp="swiglu" if swiglu or arch == "full" else "lowrank-only",
         moe_aux_coef=0.3,
+        moe_capacity=capacity,
     )
     check_against_loop(cfg, seed, b, s)
 
@@ -284,17 +309,6 @@ def test_all_experts_with_equal_scores_average(balance: str, dispatch: str) -> N
     inner = m.experts(payload, None).mean(0) + m.shared(payload, None).sum(0)
     expected = m.down_proj.up(inner) if m.latent else inner
     assert rel(y.detach(), expected.detach().view(3, 4, -1)) < TOL
-
-
-def kept_by_hand(idx: list[list[int]], experts: int, capacity: int) -> list[list[bool]]:
-    """First choices before second ones, earlier tokens first; past capacity is dropped."""
-    used = [0] * experts
-    kept = [[False] * len(idx[0]) for _ in idx]
-    for j in range(len(idx[0])):
-        for t, row in enumerate(idx):
-            kept[t][j] = used[row[j]] < capacity
-            used[row[j]] += 1
-    return kept
 
 
 @pytest.mark.parametrize("dispatch", ["latent", "hidden"])

@@ -87,13 +87,14 @@ def with_capacity(
     one_hot = torch.nn.functional.one_hot(by_choice, experts)
     position = (one_hot.cumsum(0) - 1).gather(1, by_choice.unsqueeze(1)).squeeze(1)
     kept = position < capacity
-    # Dropped copies go to one spare row past the experts' rows; it is never read back.
+    # Dropped copies go to one spare row past the experts' rows: no expert reads it, and it
+    # reads back as zeros, so a dropped copy adds nothing (and its weight gets no gradient).
     row = torch.where(kept, by_choice * capacity + position, experts * capacity)
     rows = payload.new_zeros(experts * capacity + 1, payload.shape[-1])
     rows = rows.index_add(0, row, payload[token])
     out = fn(rows[:-1].view(experts, capacity, -1), None).reshape(experts * capacity, -1)
     out = torch.cat([out, out.new_zeros(1, out.shape[-1])])
-    w = (weights.t().reshape(-1) * kept).to(out.dtype)
+    w = weights.t().reshape(-1).to(out.dtype)
     combined = out.new_zeros(tokens, out.shape[-1])
     combined = combined.index_add(0, token, out[row] * w.unsqueeze(-1))
     return combined, (~kept).sum()
