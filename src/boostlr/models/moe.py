@@ -138,6 +138,8 @@ class MoEMLP(nn.Module):
     After a forward, ``aux_loss`` holds the balance loss (coefficient applied, detached; 0-d,
     balance ``aux`` only) and ``dropped`` the copies over capacity (0-d int64; capacity only),
     both device tensors for the metrics: reading them is the caller's host sync.
+    ``aux_scale`` is the factor the trainer applies to the LM loss before its backward
+    (1 / micro-batches per step); the balance loss's gradient is scaled by it.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None = None):
