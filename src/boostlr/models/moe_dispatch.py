@@ -34,8 +34,14 @@ def host_counts(counts: torch.Tensor) -> list[int]:
 
 
 def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
-    """Routed copies per expert, ``[experts]`` int64 on the device (no sync)."""
-    return torch.bincount(idx.reshape(-1), minlength=experts)
+    """Routed copies per expert, ``[experts]`` int64 on the device.
+
+    A scatter-add, not ``torch.bincount``: on CUDA bincount reads the largest index back to
+    size its output, a host sync this layer must not add.
+    """
+    flat = idx.reshape(-1)
+    counts = torch.zeros(experts, dtype=torch.int64, device=idx.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def dropless(
