@@ -37,6 +37,7 @@ from boostlr.hf.files import (
 )
 from boostlr.merge import check_mergeable, merged_config, merged_tensors
 from boostlr.models.llama import LlamaModel, build_model
+from boostlr.models.moe import zero_meta_buffers
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 from boostlr.rundir.layout import META_FILE, MODEL_FILE, TOKENIZER_FILE, checkpoints_dir
 from boostlr.rundir.tensors import ModelTensors
@@ -187,6 +188,7 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Lla
             f"weights in {source} do not match its config (missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}): re-export or use another checkpoint"
         )
+    zero_meta_buffers(model, "cpu")  # an MoE router's load counts (not saved)
     tokenizer = load_tokenizer(source / TOKENIZER_FILE)
     return model.to(device).eval(), tokenizer
 

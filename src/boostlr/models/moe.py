@@ -37,6 +37,10 @@ from boostlr.models.params import local
 
 Latents = dict[str, torch.Tensor | None]
 
+#: The :class:`MoEMLP`'s ``kind`` (:class:`~boostlr.models.mlp.BlockMLP`): only the
+#: single-device runtime runs it (:mod:`boostlr.parallel.strategies`).
+MOE = "moe"
+
 
 class Routing(NamedTuple):
     """A micro-batch's routing: ``idx, weights [tokens, k]``; ``scores [tokens, E]`` are the
@@ -140,7 +144,14 @@ class MoEMLP(nn.Module):
     both device tensors for the metrics: reading them is the caller's host sync.
     ``aux_scale`` is the factor the trainer applies to the LM loss before its backward
     (1 / micro-batches per step); the balance loss's gradient is scaled by it.
+
+    Under LaX the latents are those of the shared in-factors (``gate_proj``, ``up_proj``);
+    ``down_proj`` has no in-factor of its own here, so its latent is ``None``: present, as
+    whole-block checkpointing passes every crossing name through, and read by no block (the
+    blocks after an MoE block are MoE blocks, whose ``B_d`` takes no crossing).
     """
+
+    kind = MOE
 
     def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None = None):
         super().__init__()
@@ -175,6 +186,7 @@ class MoEMLP(nn.Module):
             payload = torch.cat([zg, zu], dim=-1)
             for name, lat in (("gate_proj", lat_g), ("up_proj", lat_u)):  # LaX's, per token
                 z[name] = None if lat is None else lat.reshape(*lead, -1)
+            z["down_proj"] = None
         else:
             payload = tokens
         out = self._routed(payload, route)
@@ -250,6 +262,27 @@ def update_expert_biases(layers: Iterable[MoEMLP], group: dist.ProcessGroup | No
         signs = torch.sign(load.sum() - load * load.numel())  # mean - load, times E
         router.expert_bias += layer.bias_rate * signs.to(router.expert_bias.dtype)
         router.load.zero_()
+
+
+def zero_meta_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Give every buffer still on the meta device its starting value on ``device``: zeros.
+
+    A model built on the meta device gets its parameters elsewhere (drawn, or loaded); its
+    only buffers are the MoE routers' balance bias and load counts, both zero at the start
+    (a checkpoint then restores the bias). Under data parallelism they are whole on every
+    rank: FSDP leaves buffers alone.
+    """
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path) if path else model
+            setattr(module, attr, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
+
+
+def checkpointed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds beside the parameters, by global name: each MoE
+    router's balance bias (none for a dense model, whose checkpoints keep their keys)."""
+    return [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
 
 
 def _get(z: Latents | None, name: str) -> torch.Tensor | None:
