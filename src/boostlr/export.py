@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
+from boostlr.config.validate_moe import refuse_moe
 from boostlr.data.tokenizer import load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
@@ -113,6 +114,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
+    refuse_moe(cfg, "boostlr export", "the HF remote code has no router or experts")
     if merge_svd:
         check_mergeable(cfg)
     tokenizer_src = ckpt.path / TOKENIZER_FILE

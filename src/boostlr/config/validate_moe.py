@@ -91,6 +91,16 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
         )
 
 
+def refuse_moe(m: ModelConfig, what: str, missing: str) -> None:
+    """One line naming what does not handle an MoE model yet, rather than a silent dense
+    answer (a cost model without the experts, an export without its routers)."""
+    if m.moe_experts > 0:
+        raise ConfigError(
+            f"{what} does not support MoE models yet (model.moe_experts {m.moe_experts}): "
+            f"{missing} (issue 38; docs/moe.md says what runs today)"
+        )
+
+
 def _no_moe_keys(m: ModelConfig) -> None:
     """A MoE key set while ``moe_experts`` is 0 would be silently ignored: say so instead."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

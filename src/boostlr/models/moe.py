@@ -34,6 +34,7 @@ from boostlr.models.lowrank import LatentCrossing
 from boostlr.models.moe_dispatch import capacity_of, dropless, expert_counts, with_capacity
 from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer
 from boostlr.models.params import local
+from boostlr.models.placement import is_saved_buffer
 
 Latents = dict[str, torch.Tensor | None]
 
@@ -282,7 +283,7 @@ def zero_meta_buffers(model: nn.Module, device: torch.device | str) -> None:
 def checkpointed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers a checkpoint holds beside the parameters, by global name: each MoE
     router's balance bias (none for a dense model, whose checkpoints keep their keys)."""
-    return [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+    return [(n, b) for n, b in model.named_buffers() if is_saved_buffer(n)]
 
 
 def _get(z: Latents | None, name: str) -> torch.Tensor | None:

@@ -84,6 +84,16 @@ _BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
 _HOLDER = {**dict.fromkeys(ATTN_LINEARS, "self_attn"), **dict.fromkeys(MLP_LINEARS, "mlp")}
 _WRITES_RESIDUAL = ("o_proj", "down_proj")
 _MOE_PARTS = ("router", "experts", "shared")  # boostlr.models.moe.MoEMLP's own modules
+#: The one buffer a checkpoint holds beside the parameters: an MoE router's balance bias
+#: (``layers.{i}.mlp.router.expert_bias``), whole and equal on every rank.
+BALANCE_BIAS = "router.expert_bias"
+
+
+def is_saved_buffer(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a saved buffer, not a parameter."""
+    return name.endswith(BALANCE_BIAS)
+
+
 _LINEAR_PARTS = {
     "down.weight": DOWN,
     "up.weight": UP,
