@@ -84,6 +84,11 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
             f"model.moe_experts > 0 is not supported yet with parallel.tp > 1 or parallel.pp "
             f"> 1 (got tp {p.tp}, pp {p.pp}): MoE runs on one device or data parallel for now"
         )
+    if p is not None and p.strategy_for(m.arch) is not None:
+        raise ConfigError(
+            f"model.moe_experts > 0 runs on the single-device block, not tp strategy "
+            f"'{p.tp_strategy}' (even at parallel.tp 1): drop --parallel.tp_strategy"
+        )
     if p is not None and p.act_ckpt == "lowrank":
         raise ConfigError(
             "parallel.act_ckpt lowrank checkpoints BTP's regions, which an MoE block does not "
