@@ -18,6 +18,7 @@ from boostlr.config.schema import (
     ParallelConfig,
 )
 from boostlr.errors import ConfigError
+from boostlr.specs.arch import arch_spec
 
 
 def moe_dispatch_of(m: ModelConfig) -> str:
@@ -69,7 +70,7 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
             f"model.moe_dispatch latent needs a low-rank arch (cola, svd, lax), not "
             f"'{m.arch}': use --model.moe_dispatch hidden"
         )
-    if dispatch == "hidden" and m.arch == "lax":
+    if dispatch == "hidden" and arch_spec(m.arch).crossing:
         raise ConfigError(
             "model.moe_dispatch hidden is not supported for arch lax (each whole-MLP expert "
             "would need its own crossing latents per token): use --model.moe_dispatch latent"

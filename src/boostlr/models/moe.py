@@ -32,9 +32,10 @@ from boostlr.config import ModelConfig
 from boostlr.config.validate_moe import moe_dispatch_of
 from boostlr.models.lowrank import LatentCrossing
 from boostlr.models.moe_dispatch import capacity_of, dropless, expert_counts, with_capacity
-from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer
+from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer, latent_sigma
 from boostlr.models.params import local
 from boostlr.models.placement import is_saved_buffer
+from boostlr.specs.arch import arch_spec
 
 Latents = dict[str, torch.Tensor | None]
 
@@ -92,9 +93,9 @@ class SharedIn(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None = None):
         super().__init__()
-        self.activation = cfg.arch != "svd"
+        self.activation = latent_sigma(cfg)
         self.down = nn.Linear(cfg.dim, cfg.rank, bias=False, device=device)  # A: d -> r
-        if cfg.arch == "lax":
+        if arch_spec(cfg.arch).crossing:
             gate = cfg.lax_gate if layer > 0 else None
             self.cross = LatentCrossing(
                 cfg.rank, gate, cfg.lax_gate_rank, cfg.norm_eps, device=device

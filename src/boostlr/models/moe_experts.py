@@ -21,6 +21,7 @@ from torch import nn
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import cola_std
 from boostlr.models.params import local
+from boostlr.specs.arch import arch_spec
 
 
 def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
@@ -81,7 +82,7 @@ class WholeExperts(nn.Module):
         super().__init__()
         d, f = cfg.dim, cfg.moe_ffn_dim
         rank = cfg.rank if cfg.lowrank else None
-        act = cfg.arch != "svd"
+        act = latent_sigma(cfg)
         self.form = cfg.mlp_form
         self.gate_proj = StackedLinear(n, d, f, rank, act, device)
         self.up_proj = StackedLinear(n, d, f, rank, act, device)
@@ -108,7 +109,7 @@ class LatentExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, n: int, device: torch.device | str | None = None):
         super().__init__()
         r, f = cfg.rank, cfg.moe_ffn_dim
-        self.rank, self.form, self.activation = r, cfg.mlp_form, cfg.arch != "svd"
+        self.rank, self.form, self.activation = r, cfg.mlp_form, latent_sigma(cfg)
         self.gate_proj, self.up_proj, self.down_proj = _Part(), _Part(), _Part()
         self.gate_proj.up = StackedFactor(n, r, f, device)  # B_g^e
         self.up_proj.up = StackedFactor(n, r, f, device)  # B_u^e
@@ -120,6 +121,13 @@ class LatentExperts(nn.Module):
         h = expert_product(self.gate_proj.up(zg, e), self.up_proj.up(zu, e), self.form)
         a = self.down_proj.down(h, e)
         return F.silu(a) if self.activation else a
+
+
+def latent_sigma(cfg: ModelConfig) -> bool:
+    """Whether the arch's factors have σ between them: CoLA's SiLU, LaX's σ after its
+    crossing; svd has none (``A`` then ``B``, a product of two linear maps)."""
+    spec = arch_spec(cfg.arch)
+    return spec.latent_activation or spec.crossing
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
