@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from parallel_cases import layout_config, run_cases
+from parallel_cases import global_batch, layout_config, run_cases
 from test_parallel_3d import assert_follows
 from test_train import read_rows, tiny_run_config, train_rows
 
@@ -37,6 +37,7 @@ from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 from boostlr.rundir.info import inspect_checkpoint
 from boostlr.train import run as trainer
+from boostlr.train.loop import prepare_moe
 
 MOE_KEYS = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
 BIAS = "layers.1.mlp.router.expert_bias"
@@ -112,6 +113,24 @@ def test_the_built_model_is_the_single_device_model() -> None:
     assert init_rule(m, "layers.0.mlp.experts.gate_proj.up.weight") == expert_sized
     assert init_rule(m, shared_in) == expert_sized != init_rule(dense.model, shared_in)
     assert checkpointed_buffers(build_model(dense.model)) == []  # dense keys unchanged
+
+
+def test_aux_gradient_of_micro_batches_is_that_of_the_whole_batch() -> None:
+    """``aux`` balance with gradient accumulation: the trainer scales the balance loss's
+    gradient as the LM loss's, so two micro-batches of 4 give one batch of 8's gradient."""
+    aux = {**MOE_KEYS, "model.moe_balance": "aux", "model.moe_aux_coef": 1.0}
+    grads = []
+    for accum in (1, 2):
+        cfg = layout_config("cola", "auto", 1, 1, 1, **aux, **{"train.grad_accum": accum})
+        model = ParallelModel.build(cfg, torch.device("cpu"))
+        assert [m.aux_scale for m in prepare_moe(model, accum)] == [1 / accum] * 2
+        inputs, targets = global_batch(cfg)  # batch_size 4
+        inputs, targets = torch.cat([inputs, inputs.flip(0)]), torch.cat([targets, targets.flip(0)])
+        for part in torch.arange(8).chunk(accum):
+            model.forward_backward(inputs[part], targets[part])
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-7), name
 
 
 @pytest.mark.parametrize(
