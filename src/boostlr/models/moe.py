@@ -183,11 +183,12 @@ class MoEMLP(nn.Module):
         route = self.router(tokens)
         z: Latents = {}
         if self.latent:
-            zg, lat_g = self.gate_proj(tokens, _get(z_prev, "gate_proj"))
-            zu, lat_u = self.up_proj(tokens, _get(z_prev, "up_proj"))
-            payload = torch.cat([zg, zu], dim=-1)
-            for name, lat in (("gate_proj", lat_g), ("up_proj", lat_u)):  # LaX's, per token
-                z[name] = None if lat is None else lat.reshape(*lead, -1)
+            # On x's own shape: LaX's latents leave the block as tensors of their own, not
+            # views (FSDP warns of a unit output that is a view: an in-place op would lose
+            # its backward hook).
+            zg, z["gate_proj"] = self.gate_proj(x, _get(z_prev, "gate_proj"))
+            zu, z["up_proj"] = self.up_proj(x, _get(z_prev, "up_proj"))
+            payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
             z["down_proj"] = None
         else:
             payload = tokens
@@ -288,6 +289,5 @@ def checkpointed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _get(z: Latents | None, name: str) -> torch.Tensor | None:
-    """The previous block's latent of linear ``name``, one row per token."""
-    lat = None if z is None else z.get(name)
-    return None if lat is None else lat.reshape(-1, lat.shape[-1])
+    """The previous block's latent of linear ``name`` (the block input's shape, r wide)."""
+    return None if z is None else z.get(name)
