@@ -13,6 +13,8 @@ takes is watched here too, and what that way does for a CUDA target is asked of 
 module's pure ``copy_steps``. With ``BOOSTLR_SYNC_CHECK_DEVICE=cuda`` (the GPU check) the
 one-process run trains on the GPU and its quiet steps run under
 ``torch.cuda.set_sync_debug_mode("error")``, so any synchronising call there raises.
+The MoE run is the one counted exception: dropless dispatch reads each MoE layer's expert
+counts back once per micro-batch (docs/moe.md), and exactly that is asserted.
 """
 
 from __future__ import annotations
@@ -184,6 +186,20 @@ def test_one_process_steps_do_not_sync(small_dataset: Path, tmp_path: Path) -> N
     cfg = _config(small_dataset, **{"parallel.device": DEVICE})
     conversions, copies = count_conversions(cfg, tmp_path / "run")
     assert_quiet(conversions)
+    assert_batches_take_the_planned_way(copies)
+
+
+def test_moe_steps_sync_once_per_dropless_layer_and_micro_batch(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Dropless MoE's one sync (docs/moe.md): each MoE layer reads its per-expert counts back
+    once per micro-batch (``tolist``, to size the experts' slices), and nothing else syncs."""
+    moe = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
+    cfg = _config(small_dataset, **moe, **{"train.grad_accum": 2})
+    conversions, copies = count_conversions(cfg, tmp_path / "run")
+    per_step = {"tolist": cfg.model.n_layers * cfg.train.grad_accum}
+    for step in range(2, STEPS):
+        assert conversions.get(step) == per_step, (step, conversions.get(step))
     assert_batches_take_the_planned_way(copies)
 
 

@@ -20,7 +20,7 @@ from boostlr.config import RunConfig, build_config
 from boostlr.config.schema import TPStrategy
 from boostlr.errors import ConfigError
 from boostlr.models.llama import LlamaModel
-from boostlr.models.placement import KINDS, RULES, param_kind, shard_dim
+from boostlr.models.placement import KINDS, MOE, RULES, param_kind, shard_dim
 
 SRC = Path(__file__).parents[1] / "src"
 ARCHS = ("full", "svd", "cola", "lax")
@@ -79,10 +79,24 @@ def test_every_parameter_of_every_arch_has_a_rule_under_every_strategy(arch: str
 def test_every_kind_is_some_parameter() -> None:
     """No dead rows: each kind of the table names parameters of some arch."""
     seen = set()
+    moe = {"model.moe_experts": "4", "model.moe_ffn_dim": "16"}  # the MoE kind
     for arch in ARCHS:
-        for extra in ({}, {"model.lax_gate": "full"}):
+        for extra in ({}, {"model.lax_gate": "full"}, moe):
             seen |= {param_kind(n) for n in _names(_config(arch, None, **extra))}
     assert seen == set(KINDS)
+
+
+def test_moe_parameters_have_rules_only_on_the_single_device_model() -> None:
+    """MoE runs at tp 1: every strategy's table lacks the kind, so a build under one fails
+    loudly (the config refuses it first, in one line)."""
+    moe = {"model.moe_experts": "4", "model.moe_ffn_dim": "16"}
+    names = _names(_config("cola", None, **moe))
+    assert {param_kind(n) for n in names if ".router." in n or ".experts." in n} == {MOE}
+    assert all(shard_dim(n, None) is None for n in names)
+    for strategy in STRATEGIES[1:]:
+        assert _config("cola", strategy, **moe) is None
+        with pytest.raises(ValueError, match="MoE router or expert"):
+            shard_dim("layers.0.mlp.router.weight", strategy)
 
 
 @pytest.mark.parametrize(

@@ -186,6 +186,20 @@ def test_dp2_consumes_the_dp1_global_batch_and_resumes_bitwise(
     assert train_rows(two) == data_parallel
 
 
+def test_ddp_checkpoint_saved_after_an_evaluation_resumes_bitwise(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """``dp_mode ddp`` keeps FSDP units gathered after a forward: an evaluation (no backward)
+    must not leave them so, or the checkpoint saved next misses the optimizer state."""
+    run = tmp_path / "ddp"
+    ddp = {"parallel.dp": 2, "parallel.dp_mode": "ddp", "train.batch_size": 2}
+    trainer.train(tiny_run_config(small_dataset, **ddp), run, console=False)  # eval = ckpt steps
+    rows = train_rows(run)
+    shutil.rmtree(run / "checkpoints" / "step_6")
+    trainer.train(build_config(run / "config.toml"), run, resume=True, console=False)
+    assert train_rows(run) == rows
+
+
 def test_pp2_metrics_time_the_pipeline_waits(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "pp2"
     cfg = tiny_run_config(small_dataset, **{"parallel.pp": 2, "train.steps": 2})

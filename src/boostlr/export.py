@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
+from boostlr.config.validate_moe import refuse_moe
 from boostlr.data.tokenizer import load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
@@ -37,6 +38,7 @@ from boostlr.hf.files import (
 )
 from boostlr.merge import check_mergeable, merged_config, merged_tensors
 from boostlr.models.llama import LlamaModel, build_model
+from boostlr.models.moe import zero_meta_buffers
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 from boostlr.rundir.layout import META_FILE, MODEL_FILE, TOKENIZER_FILE, checkpoints_dir
 from boostlr.rundir.tensors import ModelTensors
@@ -112,6 +114,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
+    refuse_moe(cfg, "boostlr export", "the HF remote code has no router or experts")
     if merge_svd:
         check_mergeable(cfg)
     tokenizer_src = ckpt.path / TOKENIZER_FILE
@@ -187,6 +190,7 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Lla
             f"weights in {source} do not match its config (missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}): re-export or use another checkpoint"
         )
+    zero_meta_buffers(model, "cpu")  # an MoE router's load counts (not saved)
     tokenizer = load_tokenizer(source / TOKENIZER_FILE)
     return model.to(device).eval(), tokenizer
 

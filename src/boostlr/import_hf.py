@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from boostlr.config import RunConfig, build_config, dump_toml
+from boostlr.config.validate_moe import refuse_moe
 from boostlr.data import TokenDataset, load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.export import LM_HEAD, from_hf_state_dict
@@ -228,6 +229,7 @@ def import_config(src: Path, overrides: list[tuple[str, str]]) -> RunConfig:
             f"import-hf --model.arch {cfg.model.arch}: choose one of {', '.join(IMPORT_ARCHS)} "
             "(a LaX model has no dense counterpart to factorise)"
         )
+    refuse_moe(cfg.model, "boostlr import-hf", "a dense HF MLP has no experts to import into")
     return cfg
 
 

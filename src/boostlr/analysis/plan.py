@@ -23,6 +23,7 @@ from boostlr.config import (
     set_value,
     validate,
 )
+from boostlr.config.validate_moe import refuse_moe
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import COLA, FULL, arch_spec
 from boostlr.specs.schedule import DEFAULT_SCHEDULE, SCHEDULES
@@ -49,7 +50,9 @@ def load_config(
         extra = [*SEARCH_OVERRIDES, ("parallel.nproc", str(gpus))]
     elif gpus:
         extra = [("parallel.nproc", str(gpus))]
-    return build_config(file, extra + pairs)
+    cfg = build_config(file, extra + pairs)
+    refuse_moe(cfg.model, "boostlr plan", "the cost model and --trace do not model the experts")
+    return cfg
 
 
 def variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:

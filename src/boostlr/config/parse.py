@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from boostlr._toml_write import dumps
-from boostlr.config.schema import SECTIONS, ModelConfig, RunConfig
+from boostlr.config.schema import OMITTED_AT_DEFAULT, SECTIONS, ModelConfig, RunConfig
 from boostlr.config.validate import resolve_layout, resolve_model, validate, validate_model
 from boostlr.errors import ConfigError
 
@@ -183,8 +183,21 @@ def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for section in SECTIONS:
         values = dataclasses.asdict(getattr(cfg, section))
-        out[section] = {k: v for k, v in values.items() if v is not None}
+        at_default = _omitted_defaults(section)
+        out[section] = {
+            k: v
+            for k, v in values.items()
+            if v is not None and (k not in at_default or at_default[k] != v)
+        }
     return out
+
+
+@functools.cache
+def _omitted_defaults(section: str) -> dict[str, Any]:
+    """The defaults of ``section``'s keys that are saved only when changed."""
+    cls = type(getattr(RunConfig(), section))
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    return {k: defaults[k] for k in OMITTED_AT_DEFAULT.get(section, ())}
 
 
 def dump_toml(cfg: RunConfig) -> str:

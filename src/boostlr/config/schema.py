@@ -28,6 +28,8 @@ NormMode = Literal["online", "sync"]
 ActCkpt = Literal["none", "lowrank", "block"]
 DPMode = Literal["auto", "fsdp", "ddp"]
 PPSchedule = Literal["gpipe", "1f1b", "interleaved"]
+MoeDispatch = Literal["auto", "latent", "hidden"]
+MoeBalance = Literal["bias", "aux"]
 Auto = Literal["auto"]
 
 ARCHS: tuple[str, ...] = get_args(Arch)
@@ -41,6 +43,25 @@ NORM_MODES: tuple[str, ...] = get_args(NormMode)
 ACT_CKPT_MODES: tuple[str, ...] = get_args(ActCkpt)
 DP_MODES: tuple[str, ...] = get_args(DPMode)
 PP_SCHEDULES: tuple[str, ...] = get_args(PPSchedule)
+MOE_DISPATCHES: tuple[str, ...] = get_args(MoeDispatch)
+MOE_BALANCES: tuple[str, ...] = get_args(MoeBalance)
+# Keys a run writes (config.toml, checkpoint metadata, exports) only when set away from
+# their default, so a model without them saves exactly what it saved before they existed
+# and its old checkpoints still resume (boostlr.config.parse.to_dict).
+OMITTED_AT_DEFAULT: dict[str, tuple[str, ...]] = {
+    "model": (
+        "moe_experts",
+        "moe_top_k",
+        "moe_shared",
+        "moe_ffn_dim",
+        "moe_dense_layers",
+        "moe_dispatch",
+        "moe_balance",
+        "moe_aux_coef",
+        "moe_bias_rate",
+        "moe_capacity",
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,50 @@ class ModelConfig:
     """Longest sequence the RoPE tables cover; ``data.seq_len`` may not exceed it."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
+    moe_experts: int = 0
+    """Routed experts per mixture-of-experts MLP; 0 keeps the dense MLP in every block. Each
+    token goes to ``moe_top_k`` of them, picked by a router ``d -> moe_experts`` on the
+    block's normed input."""
+    moe_top_k: int = 2
+    """Routed experts each token uses (at most ``moe_experts``); their outputs are summed
+    with the router's weights, which add up to 1."""
+    moe_shared: int = 0
+    """Shared experts: MLPs of width ``moe_ffn_dim`` that every token uses with weight 1,
+    beside the routed ones."""
+    moe_ffn_dim: int | None = None
+    """Inner width of each expert (routed and shared); required with ``moe_experts > 0``."""
+    moe_dense_layers: int = 0
+    """The first blocks keep the dense MLP (of width ``ffn_dim``); the MoE MLP starts at this
+    block index, which must be below ``n_layers``."""
+    moe_dispatch: MoeDispatch = "auto"
+    """What a routed token carries to its experts. ``latent`` (low-rank archs): the experts
+    share the outer factors ``A_g, A_u`` (d -> r) and ``B_d`` (r -> d), so a token travels as
+    ``[σ(A_g x) | σ(A_u x)]`` (2r wide) and returns as the r-wide ``w σ(A_d^e h_e)``, one
+    ``B_d`` applied to the weighted sum: 3r elements per routed copy. ``hidden``: every expert
+    is a whole MLP of the arch and the token travels d wide (2d per copy); ``full`` takes only
+    this, ``lax`` only ``latent`` (its crossing latents belong to the shared ``A_g, A_u``; the
+    experts' down latent has no crossing). ``auto``: ``latent`` for low-rank archs, ``hidden``
+    for ``full``."""
+    moe_balance: MoeBalance = "bias"
+    """How experts are kept evenly loaded. ``bias``: DeepSeek-V3's auxiliary-loss-free balance:
+    sigmoid router scores plus a per-expert bias that only steers the selection, moved by
+    ``moe_bias_rate`` after each optimizer step against the step's load (kept in
+    checkpoints). ``aux``: softmax router scores and a sequence-level balance loss weighted
+    by ``moe_aux_coef``."""
+    moe_aux_coef: float = 0.01
+    """Weight of the sequence-level balance loss under ``moe_balance aux`` (ignored by
+    ``bias``)."""
+    moe_bias_rate: float = 0.001
+    """Step of the balance bias per optimizer step under ``moe_balance bias``: each
+    expert's bias moves up by it when the expert got fewer tokens than the mean, down when
+    more (ignored by ``aux``)."""
+    moe_capacity: float = 0.0
+    """0: dropless, every routed copy is computed (sizing the experts' work costs one
+    device-to-host copy of the per-expert counts per MoE layer and micro-batch). > 0: a
+    capacity factor: each expert takes at most ``ceil(moe_capacity x tokens x moe_top_k /
+    moe_experts)`` copies, in fixed shapes with no host sync; the copies over it are dropped
+    (first choices are served before second ones, earlier tokens before later) and counted.
+    A dropped copy adds nothing; the token keeps its residual and the shared experts."""
 
     @property
     def lowrank(self) -> bool:

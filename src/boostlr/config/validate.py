@@ -24,6 +24,7 @@ from boostlr.config.schema import (
     ParallelConfig,
     RunConfig,
 )
+from boostlr.config.validate_moe import validate_moe
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import LOWRANK_ARCHS, arch_spec
 from boostlr.specs.schedule import SCHEDULES, schedule_spec
@@ -147,6 +148,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("parallel.device", cfg.parallel.device, DEVICES)
     validate_model(m)
     validate_parallel(cfg.parallel, m)
+    validate_moe(m, cfg.parallel)
     for key, value in (
         ("data.seq_len", d.seq_len),
         ("data.val_batches", d.val_batches),
@@ -329,6 +331,7 @@ def validate_model(m: ModelConfig) -> None:
             "model.mlp 'lowrank-only' has no nonlinearity with full-rank linears: "
             "use model.mlp swiglu (or auto) for arch full"
         )
+    validate_moe(m)
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:

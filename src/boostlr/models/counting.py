@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
-from boostlr.models.shapes import linear_shapes
+from boostlr.config.validate_moe import moe_dispatch_of
+from boostlr.models.shapes import MLP_LINEARS, linear_shapes
 from boostlr.specs.arch import arch_spec
 
 
@@ -37,12 +38,40 @@ def crossing_gate_params(cfg: ModelConfig) -> int:
     return r * r if cfg.lax_gate == "full" else 2 * r * cfg.lax_gate_rank
 
 
+def moe_mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(all parameters, matmul parameters per token) of an MoE MLP (:mod:`boostlr.models.moe`).
+
+    A token multiplies by the router, the shared outer factors (``latent`` dispatch), its
+    ``moe_top_k`` routed experts and the shared experts: the matmul count is the active one.
+    """
+    d, f, n_routed = cfg.dim, cfg.moe_ffn_dim or 0, cfg.moe_experts
+    router = n_routed * d
+    if moe_dispatch_of(cfg) == "latent":
+        r = cfg.rank or 0
+        shared_in = linear_params(cfg, d, 0, layer)  # A_g (or A_u): d -> r, LaX's crossing too
+        outer = (2 * shared_in[0] + r * d, 2 * shared_in[1] + r * d)  # + B_d: r -> d
+        expert = (3 * r * f, 3 * r * f)  # B_g^e, B_u^e: r -> f_e; A_d^e: f_e -> r
+    else:
+        outer = (0, 0)
+        ps = [linear_params(cfg, d, f, layer), linear_params(cfg, d, f, layer)]
+        ps.append(linear_params(cfg, f, d, layer))
+        expert = (sum(p for p, _ in ps), sum(m for _, m in ps))
+    total = router + outer[0] + (n_routed + cfg.moe_shared) * expert[0]
+    return total, router + outer[1] + (cfg.moe_top_k + cfg.moe_shared) * expert[1]
+
+
 def count_params(cfg: ModelConfig) -> ParamCount:
+    """Parameters by shape; under MoE ``matmul`` counts the experts a token uses."""
     d, v = cfg.dim, cfg.vocab_size
     total = matmul = 0
     for layer in range(cfg.n_layers):
         total += 2 * d  # two RMSNorm gains
-        for d_in, d_out in linear_shapes(cfg).values():
+        shapes = linear_shapes(cfg)
+        if cfg.moe_experts > 0 and layer >= cfg.moe_dense_layers:
+            p, m = moe_mlp_params(cfg, layer)
+            total, matmul = total + p, matmul + m
+            shapes = {k: v for k, v in shapes.items() if k not in MLP_LINEARS}
+        for d_in, d_out in shapes.values():
             p, m = linear_params(cfg, d_in, d_out, layer)
             total += p
             matmul += m

@@ -15,6 +15,7 @@ import torch
 
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import cola_std
+from boostlr.models.moe_experts import moe_init_rule
 from boostlr.models.philox import HOST_CHUNK_COUNTERS, normal_box, stream_key
 from boostlr.models.shapes import block_linear, linear_shapes
 
@@ -27,6 +28,9 @@ def init_rule(cfg: ModelConfig, name: str) -> float | str:
         return "ones"
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return cfg.init_std
+    moe = moe_init_rule(cfg, name)  # before the dense rules: its linears have the same names
+    if moe is not None:
+        return moe
     if ".cross." in name:
         # The gate's output starts at zero, so a fresh LaX model equals CoLA with LN_r; the
         # factored gate's first half is random so gradients reach both halves.

@@ -20,6 +20,7 @@ from torch import nn
 
 from boostlr.config import ModelConfig
 from boostlr.models.lowrank import BlockLinear, make_linear
+from boostlr.models.moe import make_moe_mlp
 from boostlr.models.shapes import GATED_MLP, MlpLinears, linear_shapes
 
 Latents = dict[str, torch.Tensor]
@@ -87,8 +88,10 @@ class BlockMLP(Protocol):
 
 
 def make_mlp(cfg: ModelConfig, layer: int, device: torch.device | str | None) -> BlockMLP:
-    """Block ``layer``'s MLP: the one place that picks an MLP kind for a config."""
-    return GatedMLP(cfg, layer, device)
+    """Block ``layer``'s MLP: the one place that picks an MLP kind for a config (the MoE
+    MLP in a block :func:`~boostlr.models.moe.make_moe_mlp` makes one for, else gated)."""
+    moe = make_moe_mlp(cfg, layer, device)
+    return moe if moe is not None else GatedMLP(cfg, layer, device)
 
 
 def gated(mlp: nn.Module, strategy: str) -> GatedMLP:

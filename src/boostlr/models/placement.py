@@ -25,6 +25,9 @@ DOWN = "low-rank A"  # {linear}.down.weight [r, d_in]
 UP = "low-rank B"  # {linear}.up.weight [d_out, r]
 CROSS_NORM = "LaX latent norm"  # {linear}.cross.norm.weight [r]
 CROSS_GATE = "LaX crossing gate"  # {linear}.cross.gate{,_down,_up}.weight (r -> r)
+#: mlp.{router,experts,shared}.*: an MoE MLP's own parameters (its shared outer factors are
+#: DOWN/UP of gate/up/down_proj). Only the single-device model has a rule: MoE runs at tp 1.
+MOE = "MoE router or expert"
 KINDS = (
     EMBEDDING,
     HEAD,
@@ -36,6 +39,7 @@ KINDS = (
     UP,
     CROSS_NORM,
     CROSS_GATE,
+    MOE,
 )
 
 #: The shard dim of each parameter kind per strategy (``None``: replicated). ``None`` as the
@@ -79,6 +83,17 @@ VOCAB_PARAMS = tuple(name for name, kind in _TOP.items() if kind in (EMBEDDING, 
 _BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
 _HOLDER = {**dict.fromkeys(ATTN_LINEARS, "self_attn"), **dict.fromkeys(MLP_LINEARS, "mlp")}
 _WRITES_RESIDUAL = ("o_proj", "down_proj")
+_MOE_PARTS = ("router", "experts", "shared")  # boostlr.models.moe.MoEMLP's own modules
+#: The one buffer a checkpoint holds beside the parameters: an MoE router's balance bias
+#: (``layers.{i}.mlp.router.expert_bias``), whole and equal on every rank.
+BALANCE_BIAS = "router.expert_bias"
+
+
+def is_saved_buffer(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a saved buffer, not a parameter."""
+    return name.endswith(BALANCE_BIAS)
+
+
 _LINEAR_PARTS = {
     "down.weight": DOWN,
     "up.weight": UP,
@@ -99,6 +114,8 @@ def param_kind(name: str) -> str | None:
     holder, linear, *tail = parts[2:]
     if holder in _BLOCK_NORMS:
         return BLOCK_NORM if (linear, *tail) == ("weight",) else None
+    if holder == "mlp" and linear in _MOE_PARTS and tail:
+        return MOE
     if _HOLDER.get(linear) != holder or not tail:
         return None
     part = ".".join(tail)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from boostlr.config import RunConfig, vocab_over_dp
 from boostlr.models.init import initial_value
 from boostlr.models.llama import LlamaModel
+from boostlr.models.moe import zero_meta_buffers
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, stage_ids, stage_layers
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
@@ -118,6 +119,7 @@ def materialize(
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
+    zero_meta_buffers(model, device)  # the MoE router's, all zero at the start
 
 
 def _vocab_dtensor(

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
@@ -157,8 +158,21 @@ class ParallelModel:
             total[1] += len(inputs)
         self.train(True)
         if self.comms.dp.size > 1:
+            self._reshard()
             dist.all_reduce(total, group=self.comms.dp.group)
         return float(total[0] / total[1])
+
+    def _reshard(self) -> None:
+        """Put every FSDP unit back to its shards after forwards without a backward.
+
+        Under ``dp_mode ddp`` (no reshard after forward) an evaluation would leave the units
+        gathered: the module would then hold the gathered parameters, not the sharded ones
+        the optimizer keys its state by, and a checkpoint saved next would miss that state.
+        """
+        for part in self.stages:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     # ------------------------------------------------------------------ metrics
 

@@ -18,7 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+from boostlr.config import ModelConfig
 from boostlr.errors import CheckpointError
+from boostlr.models.placement import is_saved_buffer
 from boostlr.rundir.checkpoint import sha256_of
 from boostlr.rundir.layout import META_FILE, STEP_DIR, checkpoints_dir
 from boostlr.rundir.tensors import ModelTensors
@@ -87,6 +89,8 @@ def inspect_checkpoint(path: Path, progress: bool = False) -> dict[str, Any]:
                     f"checkpoint {ckpt}: {name} fails its sha256 check (corrupt): {_EARLIER}"
                 )
     tensors = ModelTensors(ckpt, meta)
+    # The parameters alone: an MoE checkpoint also holds its routers' balance biases.
+    params = [i for n, i in tensors.infos.items() if not is_saved_buffer(n)]
     return {
         "path": str(ckpt),
         "step": meta["step"],
@@ -94,9 +98,9 @@ def inspect_checkpoint(path: Path, progress: bool = False) -> dict[str, Any]:
         "sharded": bool(meta.get("sharded")),
         "layout": meta.get("layout"),
         "model": (meta.get("config") or {}).get("model"),
-        "parameters": tensors.numel,
-        "tensors": len(tensors.infos),
-        "parameter_bytes": tensors.nbytes,
+        "parameters": sum(i.nbytes // i.dtype.itemsize for i in params),
+        "tensors": len(params),
+        "parameter_bytes": sum(i.nbytes for i in params),
         "files": [{"name": n, **files[n]} for n in sorted(files)],
         "total_size": total,
         "verified": True,
@@ -192,6 +196,11 @@ def _model(model: Any) -> str:
         parts.append(f"rank {model['rank']}")
     if model.get("tie_embeddings"):
         parts.append("tied embeddings")
+    if model.get("moe_experts"):  # MoE keys are written only where not at their default
+        top_k = model.get("moe_top_k", ModelConfig.moe_top_k)
+        parts.append(
+            f"MoE {model['moe_experts']} experts (top {top_k}, ffn {model['moe_ffn_dim']})"
+        )
     return ", ".join(parts)
 
 

@@ -29,9 +29,18 @@ def layout_of(cfg: RunConfig) -> dict:
     }
 
 
-def sharded(named: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer) -> dict:
-    """Model and optimizer state by global parameter name (this rank's DTensor shards)."""
-    return {"model": dict(named), "optim": {name: optimizer.state[p] for name, p in named}}
+def sharded(
+    named: list[tuple[str, torch.nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    buffers: list[tuple[str, torch.Tensor]] | None = None,
+) -> dict:
+    """Model and optimizer state by global parameter name (this rank's DTensor shards).
+
+    ``buffers`` (an MoE router's balance bias: whole, equal on every rank) join the model
+    state by their global names; a dense model has none, so its key set is unchanged.
+    """
+    model = {**dict(named), **dict(buffers or [])}
+    return {"model": model, "optim": {name: optimizer.state[p] for name, p in named}}
 
 
 def checkpoint_payload(
@@ -42,6 +51,7 @@ def checkpoint_payload(
     loader: dict[str, int],
     lr_anchor: Anchor | None,
     extra_meta: dict | None = None,
+    buffers: list[tuple[str, torch.Tensor]] | None = None,
 ) -> tuple[dict, dict, dict, dict]:
     """What a checkpoint holds, as :meth:`CheckpointWriter.save` takes it: the shards by global
     name, the trainer state, the RNG and the metadata."""
@@ -57,4 +67,4 @@ def checkpoint_payload(
         "world_size": cfg.parallel.world_size,
         **(extra_meta or {}),
     }
-    return sharded(named, optimizer), trainer, rng, meta
+    return sharded(named, optimizer, buffers), trainer, rng, meta

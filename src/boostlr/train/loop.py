@@ -17,6 +17,8 @@ import torch
 from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
+from boostlr.models.moe import MoEMLP, moe_layers, update_expert_biases
+from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.layout import METRICS_FILE
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
@@ -89,6 +91,19 @@ def evaluate(
     return val_loss
 
 
+def prepare_moe(model: ParallelModel, grad_accum: int) -> list[MoEMLP]:
+    """This rank's MoE layers, their balance loss's gradient scaled as the LM loss is.
+
+    The engine backpropagates each micro-batch's loss divided by ``grad_accum``; the balance
+    loss, whose gradient the layer adds in the backward, takes the same factor, so a step's
+    gradient is that of one batch of all its micro-batches.
+    """
+    layers = [layer for part in model.stages for layer in moe_layers(part.model)]
+    for layer in layers:
+        layer.aux_scale = 1 / grad_accum
+    return layers
+
+
 def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
     """Train from ``state.start_step`` to ``train.steps``; every rank runs it, rank 0 logs.
 
@@ -112,6 +127,8 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
         progress.print(f"resumed {state.run_dir} at step {start}")
     loss_value, val_loss, finished = float("nan"), None, False
     window = Window(state.device, start + 1)
+    moe = prepare_moe(model, t.grad_accum)
+    dp = model.comms.dp.group if model.comms.dp.size > 1 else None
     try:
         for step in range(start + 1, t.steps + 1):
             profiler.before_step(step)
@@ -130,6 +147,8 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                 window.add(step, loss, model.clip_gradients(t.grad_clip))
             with torch.profiler.record_function("optimizer.step"):
                 optimizer.step()
+            if moe:  # the loads summed over dp: every rank moves every bias alike
+                update_expert_biases(moe, group=dp)
             phases.mark("step")
             crash_point("step", state.rank, step)
             last = step == t.steps

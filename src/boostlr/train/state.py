@@ -14,6 +14,7 @@ import torch
 
 from boostlr.config import RunConfig, from_dict
 from boostlr.data import BatchLoader
+from boostlr.models.moe import checkpointed_buffers
 from boostlr.parallel.engine import ParallelModel
 from boostlr.platform import set_rng_states
 from boostlr.rundir.checkpoint import Checkpoint, load_sharded_state, load_trainer_state
@@ -68,7 +69,12 @@ def restore(state: RunState, ckpt: Checkpoint) -> None:
 
 def sharded_state(state: RunState) -> dict:
     """Model and optimizer state by global parameter name (this rank's DTensor shards)."""
-    return sharded(state.model.named_parameters(), state.optimizer)
+    return sharded(state.model.named_parameters(), state.optimizer, saved_buffers(state))
+
+
+def saved_buffers(state: RunState) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (MoE balance biases), by global name."""
+    return [b for part in state.model.stages for b in checkpointed_buffers(part.model)]
 
 
 def save(state: RunState, step: int) -> SaveStats:
@@ -80,5 +86,6 @@ def save(state: RunState, step: int) -> SaveStats:
         step,
         state.loader.state_dict(),
         state.lr_anchor,
+        buffers=saved_buffers(state),
     )
     return state.writer.save(step, *payload, {TOKENIZER_FILE: state.run_dir / TOKENIZER_FILE})

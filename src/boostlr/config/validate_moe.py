@@ -1,0 +1,118 @@
+"""The mixture-of-experts keys' checks, and ``model.moe_dispatch auto`` decided.
+
+Kept beside :mod:`boostlr.config.validate` (which calls :func:`validate_moe`) so the MoE rules
+read as one list. Every failure is one :class:`~boostlr.errors.ConfigError` line naming the
+key and the fix (exit code 2), raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from boostlr.config.schema import (
+    LOWRANK_ARCHS,
+    MOE_BALANCES,
+    MOE_DISPATCHES,
+    OMITTED_AT_DEFAULT,
+    ModelConfig,
+    ParallelConfig,
+)
+from boostlr.errors import ConfigError
+from boostlr.specs.arch import arch_spec
+
+
+def moe_dispatch_of(m: ModelConfig) -> str:
+    """``model.moe_dispatch`` with ``auto`` decided: ``latent`` for low-rank archs, else
+    ``hidden`` (``full`` has no latent to route)."""
+    if m.moe_dispatch != "auto":
+        return m.moe_dispatch
+    return "latent" if m.arch in LOWRANK_ARCHS else "hidden"
+
+
+def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
+    """Reject impossible MoE settings; ``p`` adds the layout checks (unset when only a model
+    is loaded: checkpoints, exports)."""
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts must be >= 0 (0 = dense MLP), got {m.moe_experts}")
+    if m.moe_experts == 0:
+        _no_moe_keys(m)
+        return
+    for key, options in (("moe_dispatch", MOE_DISPATCHES), ("moe_balance", MOE_BALANCES)):
+        value = getattr(m, key)
+        if value not in options:
+            raise ConfigError(f"model.{key} '{value}' is not one of: {', '.join(options)}")
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(
+            f"model.moe_top_k {m.moe_top_k} must be in [1, model.moe_experts = "
+            f"{m.moe_experts}]: lower --model.moe_top_k or add experts"
+        )
+    if m.moe_ffn_dim is None:
+        raise ConfigError(
+            "model.moe_ffn_dim is missing: MoE experts need their inner width (e.g. "
+            "--model.moe_ffn_dim 256)"
+        )
+    if m.moe_ffn_dim < 1:
+        raise ConfigError(f"model.moe_ffn_dim must be >= 1, got {m.moe_ffn_dim}")
+    if m.moe_shared < 0:
+        raise ConfigError(f"model.moe_shared must be >= 0, got {m.moe_shared}")
+    if not 0 <= m.moe_dense_layers < m.n_layers:
+        raise ConfigError(
+            f"model.moe_dense_layers {m.moe_dense_layers} must be in [0, model.n_layers = "
+            f"{m.n_layers}): at least the last block must be an MoE block (or set "
+            "model.moe_experts 0)"
+        )
+    for key in ("moe_aux_coef", "moe_bias_rate", "moe_capacity"):
+        if not getattr(m, key) >= 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
+    dispatch = moe_dispatch_of(m)
+    if dispatch == "latent" and m.arch not in LOWRANK_ARCHS:
+        raise ConfigError(
+            f"model.moe_dispatch latent needs a low-rank arch (cola, svd, lax), not "
+            f"'{m.arch}': use --model.moe_dispatch hidden"
+        )
+    if dispatch == "hidden" and arch_spec(m.arch).crossing:
+        raise ConfigError(
+            "model.moe_dispatch hidden is not supported for arch lax (each whole-MLP expert "
+            "would need its own crossing latents per token): use --model.moe_dispatch latent"
+        )
+    if m.lowrank and m.rank is not None and m.rank > m.moe_ffn_dim:
+        raise ConfigError(
+            f"model.rank {m.rank} exceeds model.moe_ffn_dim {m.moe_ffn_dim}, the experts' "
+            "inner width: lower model.rank or raise model.moe_ffn_dim"
+        )
+    if p is not None and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"model.moe_experts > 0 is not supported yet with parallel.tp > 1 or parallel.pp "
+            f"> 1 (got tp {p.tp}, pp {p.pp}): MoE runs on one device or data parallel for now"
+        )
+    if p is not None and p.strategy_for(m.arch) is not None:
+        raise ConfigError(
+            f"model.moe_experts > 0 runs on the single-device block, not tp strategy "
+            f"'{p.tp_strategy}' (even at parallel.tp 1): drop --parallel.tp_strategy"
+        )
+    if p is not None and p.act_ckpt == "lowrank":
+        raise ConfigError(
+            "parallel.act_ckpt lowrank checkpoints BTP's regions, which an MoE block does not "
+            "run: use --parallel.act_ckpt block (or none) with model.moe_experts > 0"
+        )
+
+
+def refuse_moe(m: ModelConfig, what: str, missing: str) -> None:
+    """One line naming what does not handle an MoE model yet, rather than a silent dense
+    answer (a cost model without the experts, an export without its routers)."""
+    if m.moe_experts > 0:
+        raise ConfigError(
+            f"{what} does not support MoE models yet (model.moe_experts {m.moe_experts}): "
+            f"{missing} (issue 38; docs/moe.md says what runs today)"
+        )
+
+
+def _no_moe_keys(m: ModelConfig) -> None:
+    """A MoE key set while ``moe_experts`` is 0 would be silently ignored: say so instead."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for key in OMITTED_AT_DEFAULT["model"]:
+        if key != "moe_experts" and getattr(m, key) != defaults[key]:
+            raise ConfigError(
+                f"model.{key} is set but model.moe_experts is 0 (dense MLP): set "
+                "--model.moe_experts or drop the MoE keys"
+            )

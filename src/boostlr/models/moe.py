@@ -1,0 +1,293 @@
+"""The mixture-of-experts MLP of one block (docs/moe.md; design notes §9), on one device.
+
+A router on the block's normed input picks ``moe_top_k`` of ``moe_experts`` routed experts per
+token; their outputs are summed with the router's weights, plus the shared experts' (weight
+1). Two dispatch forms:
+
+- ``latent`` (cola, svd, lax): the experts share the outer factors ``A_g, A_u`` (d -> r) and
+  ``B_d`` (r -> d). A token is routed as ``z = [σ(A_g x) | σ(A_u x)]`` (2r wide), expert ``e``
+  returns ``u_e = σ(A_d^e h_e)`` (r wide) and, ``B_d`` being linear, one ``B_d`` maps the
+  weighted sum: ``Σ w_k B_d u_k = B_d Σ w_k u_k``. It equals a MoE of whole CoLA MLPs whose
+  outer factors are tied (tests/test_moe_model.py checks it).
+- ``hidden``: each expert is a whole MLP of the arch and the d-wide token is routed.
+
+Load balance: ``bias`` (DeepSeek-V3): sigmoid scores; a per-expert bias, a buffer and not a
+parameter, shifts only which experts are selected and moves after each optimizer step
+against the step's load (:func:`update_expert_biases`). ``aux``: softmax scores and a
+sequence-level balance loss whose gradient is added in the backward (:class:`_AddAuxGrad`),
+so no caller has to add it to the loss, pipeline stages included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from boostlr.config import ModelConfig
+from boostlr.config.validate_moe import moe_dispatch_of
+from boostlr.models.lowrank import LatentCrossing
+from boostlr.models.moe_dispatch import capacity_of, dropless, expert_counts, with_capacity
+from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer, latent_sigma
+from boostlr.models.params import local
+from boostlr.models.placement import is_saved_buffer
+from boostlr.specs.arch import arch_spec
+
+Latents = dict[str, torch.Tensor | None]
+
+#: The :class:`MoEMLP`'s ``kind`` (:class:`~boostlr.models.mlp.BlockMLP`): only the
+#: single-device runtime runs it (:mod:`boostlr.parallel.strategies`).
+MOE = "moe"
+
+
+class Routing(NamedTuple):
+    """A micro-batch's routing: ``idx, weights [tokens, k]``; ``scores [tokens, E]`` are the
+    affinities normalised over the experts (what the balance loss averages)."""
+
+    idx: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+
+
+class Router(nn.Module):
+    """``W_r : d -> E`` on the normed token, top-k, weights summing to 1.
+
+    Logits and scores are computed in at least fp32 whatever the autocast dtype, so a
+    routing decision is not made on bf16 ties. ``expert_bias`` (balance ``bias``) is a
+    persistent buffer: in the state dict and checkpoints, never trained by autograd.
+    ``load`` counts the copies each expert was sent since the last bias update (training
+    forwards only; not saved).
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.top_k, self.balance = cfg.moe_top_k, cfg.moe_balance
+        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim, device=device))
+        if self.balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts, device=device))
+        self.register_buffer(
+            "load", torch.zeros(cfg.moe_experts, dtype=torch.int64, device=device), False
+        )
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
+        if self.balance == "bias":
+            scores = torch.sigmoid(logits)
+            idx = torch.topk(scores + self.expert_bias.to(dtype), self.top_k, dim=-1).indices
+            normed = scores / scores.sum(-1, keepdim=True)
+        else:
+            normed = torch.softmax(logits, dim=-1)
+            idx = torch.topk(normed, self.top_k, dim=-1).indices
+        picked = normed.gather(-1, idx)
+        return Routing(idx, picked / picked.sum(-1, keepdim=True), normed)
+
+
+class SharedIn(nn.Module):
+    """A shared outer in-factor ``σ(A x)`` (LaX: ``σ(LN_r(A x + G(z_prev)))``), d -> r."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.activation = latent_sigma(cfg)
+        self.down = nn.Linear(cfg.dim, cfg.rank, bias=False, device=device)  # A: d -> r
+        if arch_spec(cfg.arch).crossing:
+            gate = cfg.lax_gate if layer > 0 else None
+            self.cross = LatentCrossing(
+                cfg.rank, gate, cfg.lax_gate_rank, cfg.norm_eps, device=device
+            )
+
+    def forward(
+        self, x: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        a = F.linear(x, local(self.down.weight))
+        if hasattr(self, "cross"):
+            normed, z = self.cross(a, z_prev)
+            return F.silu(normed), z
+        return (F.silu(a) if self.activation else a), None
+
+
+class _Out(nn.Module):
+    """The shared outer out-factor ``B_d`` (r -> d), named ``down_proj.up`` as in CoLA."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.up = nn.Linear(cfg.rank, cfg.dim, bias=False, device=device)
+
+
+class _AddAuxGrad(torch.autograd.Function):
+    """Identity on ``y``; its backward gives the balance loss ``aux`` the gradient ``scale``.
+
+    The loss then trains the router without any caller adding it to the LM loss, which
+    under a pipeline lives on another stage. ``scale`` is what the trainer multiplies the LM
+    loss by before its backward (1 / gradient-accumulation micro-batches).
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale, ctx.aux_meta = scale, (aux.shape, aux.dtype, aux.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class MoEMLP(nn.Module):
+    """The MoE MLP: ``forward(x, z_prev) -> (y, latents)``, as the dense MLP's.
+
+    After a forward, ``aux_loss`` holds the balance loss (coefficient applied, detached; 0-d,
+    balance ``aux`` only) and ``dropped`` the copies over capacity (0-d int64; capacity only),
+    both device tensors for the metrics: reading them is the caller's host sync.
+    ``aux_scale`` is the factor the trainer applies to the LM loss before its backward
+    (1 / micro-batches per step); the balance loss's gradient is scaled by it.
+
+    Under LaX the latents are those of the shared in-factors (``gate_proj``, ``up_proj``);
+    ``down_proj`` has no in-factor of its own here, so its latent is ``None``: present, as
+    whole-block checkpointing passes every crossing name through, and read by no block (the
+    blocks after an MoE block are MoE blocks, whose ``B_d`` takes no crossing).
+    """
+
+    kind = MOE
+
+    def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.experts_n, self.capacity = cfg.moe_experts, cfg.moe_capacity
+        self.aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0
+        self.bias_rate = cfg.moe_bias_rate
+        self.aux_scale = 1.0
+        self.latent = moe_dispatch_of(cfg) == "latent"
+        self.router = Router(cfg, device)
+        if self.latent:
+            self.gate_proj = SharedIn(cfg, layer, device)  # A_g
+            self.up_proj = SharedIn(cfg, layer, device)  # A_u
+            self.down_proj = _Out(cfg, device)  # B_d
+            self.experts: nn.Module = LatentExperts(cfg, cfg.moe_experts, device)
+            shared = LatentExperts(cfg, cfg.moe_shared, device) if cfg.moe_shared else None
+        else:
+            self.experts = WholeExperts(cfg, cfg.moe_experts, device)
+            shared = WholeExperts(cfg, cfg.moe_shared, device) if cfg.moe_shared else None
+        if shared is not None:
+            self.shared = shared
+        self.aux_loss: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, x.shape[-1])
+        route = self.router(tokens)
+        z: Latents = {}
+        if self.latent:
+            # On x's own shape: LaX's latents leave the block as tensors of their own, not
+            # views (FSDP warns of a unit output that is a view: an in-place op would lose
+            # its backward hook).
+            zg, z["gate_proj"] = self.gate_proj(x, _get(z_prev, "gate_proj"))
+            zu, z["up_proj"] = self.up_proj(x, _get(z_prev, "up_proj"))
+            payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
+            z["down_proj"] = None
+        else:
+            payload = tokens
+        out = self._routed(payload, route)
+        if hasattr(self, "shared"):
+            out = out + self.shared(payload, None).sum(0)
+        if self.latent:
+            out = F.linear(out, local(self.down_proj.up.weight))
+        y = out.reshape(*lead, -1)
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.router.load += expert_counts(route.idx, self.experts_n)
+        if self.aux_coef:
+            aux = self.aux_coef * balance_loss(route, lead, self.experts_n)
+            self.aux_loss = aux.detach()
+            if aux.requires_grad:
+                y = _AddAuxGrad.apply(y, aux, self.aux_scale)
+        return y, z
+
+    def _routed(self, payload: torch.Tensor, route: Routing) -> torch.Tensor:
+        if not self.capacity:
+            return dropless(payload, route.idx, route.weights, self.experts_n, self.experts)
+        tokens, k = route.idx.shape
+        cap = capacity_of(tokens, k, self.experts_n, self.capacity)
+        out, self.dropped = with_capacity(
+            payload, route.idx, route.weights, self.experts_n, cap, self.experts
+        )
+        return out
+
+
+def balance_loss(route: Routing, lead: torch.Size, experts: int) -> torch.Tensor:
+    """Sequence-level balance loss (DeepSeek-V3's): the mean over sequences of
+    ``Σ_i f_i P_i``, with ``f_i = E / (k s) · #(tokens choosing i)`` and ``P_i`` the mean
+    normalised score of expert ``i`` over the sequence's ``s`` tokens. 1 when balanced."""
+    seq = lead[-1] if len(lead) else 1
+    k = route.idx.shape[-1]
+    chosen = torch.zeros_like(route.scores).scatter_(-1, route.idx, 1.0)
+    f = chosen.view(-1, seq, experts).sum(1) * (experts / (k * seq))
+    p = route.scores.view(-1, seq, experts).mean(1)
+    return (f * p).sum(-1).mean()
+
+
+def make_moe_mlp(
+    cfg: ModelConfig, layer: int, device: torch.device | str | None = None
+) -> MoEMLP | None:
+    """Block ``layer``'s MoE MLP, or ``None`` where the block keeps the dense MLP
+    (``moe_experts = 0``, or one of the first ``moe_dense_layers`` blocks)."""
+    return MoEMLP(cfg, layer, device) if is_moe_layer(cfg, layer) else None
+
+
+def moe_layers(model: nn.Module) -> list[MoEMLP]:
+    """Every MoE MLP in ``model`` (in module order)."""
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+@torch.no_grad()
+def update_expert_biases(layers: Iterable[MoEMLP], group: dist.ProcessGroup | None = None) -> None:
+    """Balance ``bias``: after an optimizer step, move each expert's bias by ``moe_bias_rate``
+    towards the mean load (up if under it, down if over), and restart the counts.
+
+    ``group`` sums the loads over the ranks that see different tokens (data parallel) first;
+    the sign is then decided in integers, so every rank moves every bias identically and the
+    buffers stay equal without being broadcast. A forward run twice (activation
+    recomputation) doubles all counts alike, which leaves every sign unchanged.
+    """
+    for layer in layers:
+        router = layer.router
+        if router.balance != "bias":
+            router.load.zero_()
+            continue
+        load = router.load.clone()
+        if group is not None:
+            dist.all_reduce(load, group=group)
+        signs = torch.sign(load.sum() - load * load.numel())  # mean - load, times E
+        router.expert_bias += layer.bias_rate * signs.to(router.expert_bias.dtype)
+        router.load.zero_()
+
+
+def zero_meta_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Give every buffer still on the meta device its starting value on ``device``: zeros.
+
+    A model built on the meta device gets its parameters elsewhere (drawn, or loaded); its
+    only buffers are the MoE routers' balance bias and load counts, both zero at the start
+    (a checkpoint then restores the bias). Under data parallelism they are whole on every
+    rank: FSDP leaves buffers alone.
+    """
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path) if path else model
+            setattr(module, attr, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
+
+
+def checkpointed_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds beside the parameters, by global name: each MoE
+    router's balance bias (none for a dense model, whose checkpoints keep their keys)."""
+    return [(n, b) for n, b in model.named_buffers() if is_saved_buffer(n)]
+
+
+def _get(z: Latents | None, name: str) -> torch.Tensor | None:
+    """The previous block's latent of linear ``name`` (the block input's shape, r wide)."""
+    return None if z is None else z.get(name)
