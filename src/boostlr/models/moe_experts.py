@@ -126,8 +126,7 @@ class LatentExperts(nn.Module):
 def latent_sigma(cfg: ModelConfig) -> bool:
     """Whether the arch's factors have σ between them: CoLA's SiLU, LaX's σ after its
     crossing; svd has none (``A`` then ``B``, a product of two linear maps)."""
-    spec = arch_spec(cfg.arch)
-    return spec.latent_activation or spec.crossing
+    return arch_spec(cfg.arch).latent_activation
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Linear kinds: which module :func:`boostlr.models.llama.make_linear` builds.
+# Linear kinds: which module :func:`boostlr.models.lowrank.make_linear` builds.
 DENSE = "dense"  # W x
 LOWRANK = "lowrank"  # B sigma(A x), sigma identity (svd) or SiLU (cola)
 LAX = "lax"  # low-rank with a crossing gate on the latent from the previous block
@@ -27,8 +27,8 @@ LAX_PASSES_FIRST = (9, 30)  # block 0: no crossing gate
 class ArchSpec:
     """One architecture's facts.
 
-    ``latent_activation``: a SiLU between the factors (CoLA), which also rules out merging
-    the factors into one dense weight. ``crossing``: LaX's latents cross from one block into
+    ``latent_activation``: a SiLU between the factors (CoLA; LaX's after its crossing),
+    which also rules out merging the factors into one dense weight. ``crossing``: LaX's latents cross from one block into
     the next, so the pipeline and TP boundaries carry them too, and block 0 (nothing to
     cross from) differs from the others. ``latent_passes`` / ``latent_kernels``: the
     element-wise passes and kernels (forward, backward) each linear's latent costs beyond
@@ -98,6 +98,7 @@ SVD = ArchSpec("svd", LOWRANK)
 LAX_ARCH = ArchSpec(
     "lax",
     LAX,
+    latent_activation=True,
     crossing=True,
     latent_passes=LAX_PASSES,
     latent_passes_first=LAX_PASSES_FIRST,
