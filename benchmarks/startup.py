@@ -55,7 +55,7 @@ def meta_part(args: argparse.Namespace) -> TensorParallelModel:
     meta = LlamaModel(cfg.model, device="meta", layers=layers, first=args.stage == 0, last=last)
     ctx = TPContext.from_config(rank_comm(args.rank, args.tp), cfg)
     strategy = cfg.parallel.strategy_for(cfg.model.arch) if args.tp > 1 else None
-    return TensorParallelModel(meta, strategy, ctx, full_shapes={})
+    return TensorParallelModel(meta, strategy, ctx)
 
 
 def before(part: TensorParallelModel, seed: int, device: torch.device) -> int:

@@ -63,7 +63,7 @@ def build_stages(
             first=stage == 0,
             last=stage == p.num_stages - 1,
         )
-        part = TensorParallelModel(meta, p.strategy_for(cfg.model.arch), ctx, full_shapes={})
+        part = TensorParallelModel(meta, p.strategy_for(cfg.model.arch), ctx)
         materialize(part, cfg.train.seed, comms, device, draw)
         stages.append(part)
     mark_phase("materialise")
@@ -109,7 +109,6 @@ def materialize(
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if id(param) not in replaced:
             spec, shape = part.specs[name], param.shape
-            part.full_shapes[name] = shape
             if name in VOCAB_PARAMS and part.ctx.vocab_dp_size > 1:
                 value = _vocab_dtensor(name, shape, seed, spec, part, comms, device, draw)
             else:

@@ -52,8 +52,7 @@ class TensorParallelModel(nn.Module):
 
     ``strategy=None`` is the plain single-device model. ``model`` already holds this rank's
     shards: :mod:`boostlr.parallel.build` builds it on the meta device and materialises each
-    shard by itself, filling ``full_shapes`` (each parameter's single-device shape) as it
-    goes; at one rank a whole single-device model is its own shard.
+    shard by itself; at one rank a whole single-device model is its own shard.
     """
 
     def __init__(
@@ -61,7 +60,6 @@ class TensorParallelModel(nn.Module):
         model: LlamaModel,
         strategy: str | None,
         ctx: TPContext,
-        full_shapes: dict[str, torch.Size] | None = None,
     ):
         super().__init__()
         self.cfg = model.cfg
@@ -70,7 +68,6 @@ class TensorParallelModel(nn.Module):
         self.specs: dict[str, ShardSpec] = {
             name: ShardSpec(shard_dim(name, strategy)) for name, _ in model.named_parameters()
         }
-        self.full_shapes = {} if full_shapes is None else full_shapes
         self.model = model
         # LaX's latents cross from one block into the next: stage outputs carry them too.
         self.crossing = arch_spec(self.cfg.arch).crossing

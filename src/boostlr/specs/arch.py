@@ -28,11 +28,11 @@ class ArchSpec:
     """One architecture's facts.
 
     ``latent_activation``: a SiLU between the factors (CoLA; LaX's after its crossing),
-    which also rules out merging the factors into one dense weight. ``crossing``: LaX's latents cross from one block into
-    the next, so the pipeline and TP boundaries carry them too, and block 0 (nothing to
-    cross from) differs from the others. ``latent_passes`` / ``latent_kernels``: the
-    element-wise passes and kernels (forward, backward) each linear's latent costs beyond
-    its GEMMs; the ``_first`` ones are block 0's.
+    which also rules out merging the factors into one dense weight. ``crossing``: LaX's
+    latents cross from one block into the next, so the pipeline and TP boundaries carry
+    them too, and block 0 (nothing to cross from) differs from the others.
+    ``latent_passes`` / ``latent_kernels``: the element-wise passes and kernels (forward,
+    backward) each linear's latent costs beyond its GEMMs; the ``_first`` ones are block 0's.
     """
 
     name: str
