@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from boostlr.specs.table import lookup
+
 # Linear kinds: which module :func:`boostlr.models.lowrank.make_linear` builds.
 DENSE = "dense"  # W x
 LOWRANK = "lowrank"  # B sigma(A x), sigma identity (svd) or SiLU (cola)
@@ -113,10 +115,7 @@ LOWRANK_ARCHS: tuple[str, ...] = tuple(n for n, a in ARCHS.items() if a.lowrank)
 
 def arch_spec(name: str) -> ArchSpec:
     """The spec of arch ``name``; ``ValueError`` naming the known ones otherwise."""
-    try:
-        return ARCHS[name]
-    except KeyError:
-        raise ValueError(f"unknown arch {name!r}: one of {', '.join(ARCHS)}") from None
+    return lookup(ARCHS, name, "arch")
 
 
 def is_lowrank(name: object) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from boostlr.specs.table import lookup
+
 # How the cost model times a schedule's step (``analysis/schedule.py`` dispatches on these):
 # the first two are per-rank programs it simulates, the last a closed form.
 FORWARDS_FIRST = "forwards-first"  # every forward, then every backward
@@ -105,9 +107,4 @@ DEFAULT_SCHEDULE = ONE_F_ONE_B
 
 def schedule_spec(name: str) -> ScheduleSpec:
     """The spec of schedule ``name``; ``ValueError`` naming the known ones otherwise."""
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown pipeline schedule {name!r}: one of {', '.join(SCHEDULES)}"
-        ) from None
+    return lookup(SCHEDULES, name, "pipeline schedule")

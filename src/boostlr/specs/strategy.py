@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from boostlr.specs.arch import ArchSpec
+from boostlr.specs.table import lookup
 
 FP32 = 4
 #: The act_ckpt modes the plain single-device model runs (no TP regions to checkpoint).
@@ -170,10 +171,7 @@ REFERENCE = BTP
 
 def strategy_spec(name: str) -> StrategySpec:
     """The spec of strategy ``name``; ``ValueError`` naming the known ones otherwise."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown tp strategy {name!r}: one of {', '.join(STRATEGIES)}") from None
+    return lookup(STRATEGIES, name, "tp strategy")
 
 
 def spec_or_none(name: str | None) -> StrategySpec | None:
