@@ -176,6 +176,9 @@ class MoEMLP(nn.Module):
             self.shared = shared
         self.aux_loss: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
+        self.layer_index = layer
+        self.stats: torch.Tensor | None = None  # a log step's counts: start_stats, take_stats
+        self.stat_forwards = 0
 
     def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
         lead = x.shape[:-1]
@@ -206,7 +209,41 @@ class MoEMLP(nn.Module):
             self.aux_loss = aux.detach()
             if aux.requires_grad:
                 y = _AddAuxGrad.apply(y, aux, self.aux_scale)
+        if self.stats is not None and self.training and torch.is_grad_enabled():
+            self._record(route)
         return y, z
+
+    def start_stats(self) -> None:
+        """Record the training forwards from now on (a step that logs): device counters only.
+
+        ``stats`` is ``[load per expert (E) | dropped copies | balance loss]``, summed over
+        the forwards; quiet steps record nothing, so they pay no device work for metrics.
+        """
+        self.stats = torch.zeros(
+            self.experts_n + 2, dtype=torch.float64, device=self.router.load.device
+        )
+        self.stat_forwards = 0
+
+    def take_stats(self) -> tuple[torch.Tensor, int] | None:
+        """The recorded ``(stats, forwards)`` (still on the device), and stop recording.
+
+        ``forwards`` counts the recorded forwards, re-forwards of activation checkpointing
+        included (they route the same tokens again, so every sum doubles alike).
+        """
+        taken = None if self.stats is None else (self.stats, self.stat_forwards)
+        self.stats, self.stat_forwards = None, 0
+        return taken
+
+    @torch.no_grad()
+    def _record(self, route: Routing) -> None:
+        """Add one forward's routed copies per expert, dropped copies and balance loss."""
+        assert self.stats is not None
+        self.stats[: self.experts_n] += expert_counts(route.idx, self.experts_n)
+        if self.capacity and self.dropped is not None:
+            self.stats[-2] += self.dropped
+        if self.aux_coef and self.aux_loss is not None:
+            self.stats[-1] += self.aux_loss
+        self.stat_forwards += 1
 
     def _routed(self, payload: torch.Tensor, route: Routing) -> torch.Tensor:
         if not self.capacity:

@@ -8,7 +8,7 @@ the loop. One process without a process group runs the plain single-device model
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
+from boostlr.models.moe import MoEMLP
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
@@ -184,3 +185,80 @@ class ParallelModel:
             "comm_dp_bytes": ledger.totals("dp")["bytes"],
             "comm_pp_bytes": ledger.totals("pp")["bytes"],
         }
+
+    def moe_metrics(self, layers: Sequence[MoEMLP]) -> dict[str, float | int]:
+        """The MoE keys of a step row (docs/metrics.md), the same on every rank.
+
+        What ``layers`` recorded since :meth:`MoEMLP.start_stats` is summed over the dp
+        ranks in one all-reduce on the explicit dp group, then read by one host copy: call
+        it on log steps only, on every rank. Empty for a dense model.
+        """
+        taken = [(layer, t) for layer in layers if (t := layer.take_stats()) is not None]
+        if not taken:
+            return {}
+        stats = torch.stack([t[0] for _, t in taken])  # [layers, E + 2]
+        if self.comms.dp.size > 1:
+            dist.all_reduce(stats, group=self.comms.dp.group)
+        spreads = [_bias_spread(layer) for layer, _ in taken]
+        values = torch.cat([stats.reshape(-1), torch.stack(spreads).double()]).tolist()
+        rows = len(taken)
+        width = stats.shape[1]
+        per_layer = [values[i * width : (i + 1) * width] for i in range(rows)]
+        forwards = [t[1] for _, t in taken]
+        return moe_row(
+            [layer.layer_index for layer, _ in taken],
+            per_layer,
+            forwards,
+            values[rows * width :],
+            micro_batches=self.accum,
+            dp=self.comms.dp.size,
+            aux=any(layer.aux_coef for layer, _ in taken),
+            bias=any(layer.router.balance == "bias" for layer, _ in taken),
+        )
+
+
+def _bias_spread(layer: MoEMLP) -> Tensor:
+    """``max - min`` of the layer's balance bias (0 without one): equal on every rank."""
+    bias = getattr(layer.router, "expert_bias", None)
+    if bias is None:
+        return torch.zeros((), device=layer.router.load.device)
+    return (bias.max() - bias.min()).detach()
+
+
+def moe_row(
+    indices: list[int],
+    stats: list[list[float]],
+    forwards: list[int],
+    spreads: list[float],
+    micro_batches: int,
+    dp: int,
+    aux: bool,
+    bias: bool,
+) -> dict[str, float | int]:
+    """The MoE keys from the dp-summed ``[load per expert | dropped | balance loss]`` of each
+    layer (block ``indices``), recorded over ``forwards`` forwards per rank.
+
+    Activation checkpointing's re-forwards double every sum alike: the load ratios do not
+    move, and the dropped copies and the balance loss are rescaled to one forward per
+    micro-batch.
+    """
+    row: dict[str, float | int] = {}
+    loads, dropped, losses = [], 0.0, []
+    for index, values, n in zip(indices, stats, forwards, strict=True):
+        if n == 0:
+            continue
+        load = values[:-2]
+        mean = sum(load) / len(load)
+        loads.append(max(load) / mean if mean else 0.0)
+        row[f"moe_load/{index}"] = loads[-1]
+        dropped += values[-2] * micro_batches / n
+        losses.append(values[-1] / (n * dp))
+    if not loads:
+        return {}
+    row["moe_load_max_over_mean"] = max(loads)
+    row["moe_dropped"] = round(dropped)
+    if aux:
+        row["moe_aux_loss"] = sum(losses) / len(losses)
+    if bias:
+        row["moe_bias_spread"] = max(spreads)
+    return row

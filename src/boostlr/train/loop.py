@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -33,9 +34,15 @@ COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_t
 
 
 def metrics_row(
-    state: RunState, step: int, lr: float, window: Window, phases: MemoryPhases
+    state: RunState,
+    step: int,
+    lr: float,
+    window: Window,
+    phases: MemoryPhases,
+    moe: Sequence[MoEMLP] = (),
 ) -> dict[str, float | int]:
-    """One ``metrics.jsonl`` step row: loss, speed, utilisation, traffic, time and memory."""
+    """One ``metrics.jsonl`` step row: loss, speed, utilisation, traffic, time and memory,
+    and the step's expert loads and balance state for an MoE model (every rank calls it)."""
     cfg, model = state.cfg, state.model
     loss, grad_norm = window.check(state, step)
     step_time = window.seconds_per_step()
@@ -58,6 +65,7 @@ def metrics_row(
         # CUDA FSDP streams may overlap compute: never report negative compute.
         "compute_time_s": max(0.0, step_time - sum(comm.values())),
         **memory_row(state.model.parameters(), state.optimizer, state.device, phases),
+        **model.moe_metrics(moe),
     }
     peak = peak_flops(state.device, cfg.train.dtype)
     if peak:  # MFU: the job's model FLOP/s over the peak of all its devices
@@ -136,6 +144,11 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
             lr = state.lr(step - 1)
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
+            last = step == t.steps
+            logs = step % t.log_every == 0 or last or step == start + 1
+            if logs:  # only a step that logs records its routing (no work on quiet steps)
+                for layer in moe:
+                    layer.start_stats()
             total = torch.zeros((), device=state.device)
             for _ in range(t.grad_accum):
                 inputs, targets = next(state.loader)
@@ -151,10 +164,9 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                 update_expert_biases(moe, group=dp)
             phases.mark("step")
             crash_point("step", state.rank, step)
-            last = step == t.steps
             row = None
-            if step % t.log_every == 0 or last or step == start + 1:
-                row = metrics_row(state, step, lr, window, phases)
+            if logs:
+                row = metrics_row(state, step, lr, window, phases, moe)
                 if step == start + 1:
                     row.update(build_times(model.stages, state.writer.group))
                 loss_value = float(row["loss"])
