@@ -14,7 +14,8 @@ module's pure ``copy_steps``. With ``BOOSTLR_SYNC_CHECK_DEVICE=cuda`` (the GPU c
 one-process run trains on the GPU and its quiet steps run under
 ``torch.cuda.set_sync_debug_mode("error")``, so any synchronising call there raises.
 The MoE run is the one counted exception: dropless dispatch reads each MoE layer's expert
-counts back once per micro-batch (docs/moe.md), and exactly that is asserted.
+counts back once per micro-batch (docs/moe.md), and exactly that is asserted; the MoE keys
+of a step row are recorded and read on log steps only.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from test_train import tiny_run_config
+from test_train import read_rows, tiny_run_config
 
 from boostlr.config import resolve
 from boostlr.data import loader as loader_module
+from boostlr.models.moe import MoEMLP
 from boostlr.parallel import engine as engine_module
 from boostlr.platform import CopyPlan, platform_for
 from boostlr.platform import copies as copies_module
@@ -201,6 +203,41 @@ def test_moe_steps_sync_once_per_dropless_layer_and_micro_batch(
     for step in range(2, STEPS):
         assert conversions.get(step) == per_step, (step, conversions.get(step))
     assert_batches_take_the_planned_way(copies)
+
+
+def test_moe_metrics_are_read_on_log_steps_only(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MoE keys of a step row (expert loads, dropped copies, balance loss) are recorded
+    and read on log steps only: with a capacity (no dropless sync) the quiet steps make no
+    conversion and record no routing, and the log step's row carries the keys."""
+    moe = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
+    aux = {"model.moe_capacity": 1.0, "model.moe_balance": "aux", "train.grad_accum": 2}
+    cfg = _config(small_dataset, **moe, **aux, **{"parallel.device": DEVICE})
+    recorded: Counter = Counter()
+    record = MoEMLP._record
+
+    def counted(self, route):
+        recorded[step_of["step"]] += 1
+        return record(self, route)
+
+    step_of = {"step": 0}
+    before_step = StepProfiler.before_step
+
+    def mark(self, step: int) -> None:
+        step_of["step"] = step
+        before_step(self, step)
+
+    monkeypatch.setattr(MoEMLP, "_record", counted)
+    monkeypatch.setattr(StepProfiler, "before_step", mark)
+    conversions, _ = count_conversions(cfg, tmp_path / "run")
+    assert_quiet(conversions)
+    forwards = cfg.model.n_layers * cfg.train.grad_accum
+    assert set(recorded) == {1, STEPS}, recorded
+    assert all(n == forwards for n in recorded.values()), recorded
+    rows = [r for r in read_rows(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, STEPS]
+    assert all({"moe_load_max_over_mean", "moe_dropped", "moe_aux_loss"} <= set(r) for r in rows)
 
 
 def test_a_batch_copy_to_a_gpu_never_makes_the_host_wait() -> None:
