@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -34,15 +33,9 @@ COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_t
 
 
 def metrics_row(
-    state: RunState,
-    step: int,
-    lr: float,
-    window: Window,
-    phases: MemoryPhases,
-    moe: Sequence[MoEMLP] = (),
+    state: RunState, step: int, lr: float, window: Window, phases: MemoryPhases
 ) -> dict[str, float | int]:
-    """One ``metrics.jsonl`` step row: loss, speed, utilisation, traffic, time and memory,
-    and the step's expert loads and balance state for an MoE model (every rank calls it)."""
+    """One ``metrics.jsonl`` step row: loss, speed, utilisation, traffic, time and memory."""
     cfg, model = state.cfg, state.model
     loss, grad_norm = window.check(state, step)
     step_time = window.seconds_per_step()
@@ -65,7 +58,6 @@ def metrics_row(
         # CUDA FSDP streams may overlap compute: never report negative compute.
         "compute_time_s": max(0.0, step_time - sum(comm.values())),
         **memory_row(state.model.parameters(), state.optimizer, state.device, phases),
-        **model.moe_metrics(moe),
     }
     peak = peak_flops(state.device, cfg.train.dtype)
     if peak:  # MFU: the job's model FLOP/s over the peak of all its devices
@@ -166,7 +158,8 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
             crash_point("step", state.rank, step)
             row = None
             if logs:
-                row = metrics_row(state, step, lr, window, phases, moe)
+                row = metrics_row(state, step, lr, window, phases)
+                row.update(model.moe_metrics(moe))  # every rank: a dp all-reduce
                 if step == start + 1:
                     row.update(build_times(model.stages, state.writer.group))
                 loss_value = float(row["loss"])
