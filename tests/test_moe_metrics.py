@@ -22,6 +22,7 @@ from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 from boostlr.train import run as trainer
 from boostlr.train.loop import prepare_moe
+from boostlr.train.sinks import scalars
 
 MOE_KEYS = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
 ROW_KEYS = {"moe_load/0", "moe_load/1", "moe_load_max_over_mean", "moe_dropped"}
@@ -30,9 +31,10 @@ ACCUM = 2
 
 def _one_step(rank: int, world: int, extra: dict) -> dict:
     """One step of two micro-batches on this dp rank, its routing captured by router hooks."""
-    cfg = layout_config("cola", "auto", 1, world, 1, **MOE_KEYS, **extra)
+    cfg = layout_config(
+        "cola", "auto", 1, world, 1, **MOE_KEYS, **extra, **{"train.grad_accum": ACCUM}
+    )
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    model.accum = ACCUM
     layers = prepare_moe(model, ACCUM)
     routed: dict[int, list] = {layer.layer_index: [] for layer in layers}
     for layer in layers:
@@ -117,6 +119,7 @@ def test_rows_carry_the_keys_and_plot_draws_them(small_dataset: Path, tmp_path: 
         assert ROW_KEYS | {"moe_bias_spread"} <= set(row), row
         assert "moe_aux_loss" not in row
         assert row["moe_load_max_over_mean"] >= 1.0 and row["moe_dropped"] > 0
+        assert ROW_KEYS <= set(scalars(row))  # what TensorBoard and W&B are given
     state = load_model_state(open_checkpoint(run / "checkpoints" / "step_3"))
     biases = [state[f"layers.{i}.mlp.router.expert_bias"] for i in (0, 1)]
     spread = max(float(b.max() - b.min()) for b in biases)
