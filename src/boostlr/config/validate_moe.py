@@ -103,7 +103,7 @@ def refuse_moe(m: ModelConfig, what: str, missing: str) -> None:
     if m.moe_experts > 0:
         raise ConfigError(
             f"{what} does not support MoE models yet (model.moe_experts {m.moe_experts}): "
-            f"{missing} (issue 38; docs/moe.md says what runs today)"
+            f"{missing} (docs/moe.md says what runs today)"
         )
 
 
