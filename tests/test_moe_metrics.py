@@ -21,7 +21,6 @@ from boostlr.models.moe_dispatch import capacity_of
 from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 from boostlr.train import run as trainer
-from boostlr.train.loop import prepare_moe
 from boostlr.train.sinks import scalars
 
 MOE_KEYS = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
@@ -35,7 +34,7 @@ def _one_step(rank: int, world: int, extra: dict) -> dict:
         "cola", "auto", 1, world, 1, **MOE_KEYS, **extra, **{"train.grad_accum": ACCUM}
     )
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    layers = prepare_moe(model, ACCUM)
+    layers = model.moe_layers()
     routed: dict[int, list] = {layer.layer_index: [] for layer in layers}
     for layer in layers:
         layer.router.register_forward_hook(
@@ -144,7 +143,7 @@ def test_a_step_without_forwards_logs_no_moe_keys() -> None:
     """Recording started but no forward ran (nothing to count): no key, rather than a 0/0."""
     cfg = layout_config("cola", "auto", 1, 1, 1, **MOE_KEYS)
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    layers = prepare_moe(model, 1)
+    layers = model.moe_layers()
     for layer in layers:
         layer.start_stats()
     assert model.moe_metrics(layers) == {}

@@ -37,7 +37,6 @@ from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
 from boostlr.rundir.info import inspect_checkpoint
 from boostlr.train import run as trainer
-from boostlr.train.loop import prepare_moe
 
 MOE_KEYS = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
 BIAS = "layers.1.mlp.router.expert_bias"
@@ -123,7 +122,7 @@ def test_aux_gradient_of_micro_batches_is_that_of_the_whole_batch() -> None:
     for accum in (1, 2):
         cfg = layout_config("cola", "auto", 1, 1, 1, **aux, **{"train.grad_accum": accum})
         model = ParallelModel.build(cfg, torch.device("cpu"))
-        assert [m.aux_scale for m in prepare_moe(model, accum)] == [1 / accum] * 2
+        assert [m.aux_scale for m in model.moe_layers()] == [1 / accum] * 2
         inputs, targets = global_batch(cfg)  # batch_size 4
         inputs, targets = torch.cat([inputs, inputs.flip(0)]), torch.cat([targets, targets.flip(0)])
         for part in torch.arange(8).chunk(accum):

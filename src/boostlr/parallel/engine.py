@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
-from boostlr.models.moe import MoEMLP
+from boostlr.models.moe import MoEMLP, moe_layers
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
@@ -185,6 +185,18 @@ class ParallelModel:
             "comm_dp_bytes": ledger.totals("dp")["bytes"],
             "comm_pp_bytes": ledger.totals("pp")["bytes"],
         }
+
+    def moe_layers(self) -> list[MoEMLP]:
+        """This rank's MoE layers, their balance loss's gradient scaled as the LM loss is.
+
+        Each micro-batch's loss is backpropagated divided by ``grad_accum``; the balance loss,
+        whose gradient the layer adds in the backward, takes the same factor, so a step's
+        gradient is that of one batch of all its micro-batches.
+        """
+        layers = [layer for part in self.stages for layer in moe_layers(part.model)]
+        for layer in layers:
+            layer.aux_scale = 1 / self.accum
+        return layers
 
     def moe_metrics(self, layers: Sequence[MoEMLP]) -> dict[str, float | int]:
         """The MoE keys of a step row (docs/metrics.md), the same on every rank.

@@ -17,8 +17,7 @@ import torch
 from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
-from boostlr.models.moe import MoEMLP, moe_layers, update_expert_biases
-from boostlr.parallel.engine import ParallelModel
+from boostlr.models.moe import update_expert_biases
 from boostlr.rundir.layout import METRICS_FILE
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
@@ -91,19 +90,6 @@ def evaluate(
     return val_loss
 
 
-def prepare_moe(model: ParallelModel, grad_accum: int) -> list[MoEMLP]:
-    """This rank's MoE layers, their balance loss's gradient scaled as the LM loss is.
-
-    The engine backpropagates each micro-batch's loss divided by ``grad_accum``; the balance
-    loss, whose gradient the layer adds in the backward, takes the same factor, so a step's
-    gradient is that of one batch of all its micro-batches.
-    """
-    layers = [layer for part in model.stages for layer in moe_layers(part.model)]
-    for layer in layers:
-        layer.aux_scale = 1 / grad_accum
-    return layers
-
-
 def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
     """Train from ``state.start_step`` to ``train.steps``; every rank runs it, rank 0 logs.
 
@@ -127,7 +113,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
         progress.print(f"resumed {state.run_dir} at step {start}")
     loss_value, val_loss, finished = float("nan"), None, False
     window = Window(state.device, start + 1)
-    moe = prepare_moe(model, t.grad_accum)
+    moe = model.moe_layers()
     dp = model.comms.dp.group if model.comms.dp.size > 1 else None
     try:
         for step in range(start + 1, t.steps + 1):
