@@ -1,0 +1,85 @@
+"""Expert parallelism: the routed experts spread over the ``ep`` group (docs/moe.md).
+
+:func:`shard_experts` keeps each ep rank's ``E / ep`` experts as ``Shard(0)`` DTensors and
+gives every MoE layer :func:`dropless_ep` as its dispatch: each routed copy travels to its
+expert's owner by an all-to-all over ``ep`` and its result comes back by the reverse one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from boostlr.models.moe import moe_layers
+from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
+from boostlr.parallel.collectives import GroupComm, all_to_all_single, exchange_counts
+from boostlr.parallel.mesh import MeshComms
+
+
+def dropless_ep(
+    payload: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    experts: int,
+    fn: ExpertFn,
+    comm: GroupComm,
+    tag: str = "moe",
+) -> torch.Tensor:
+    """``dropless`` (:mod:`boostlr.models.moe_dispatch`) with expert ``e`` on ep rank
+    ``e // (E / ep)`` (``fn`` takes the local index ``e % (E / ep)``): the same sum, computed
+    where the experts live.
+
+    The copies, sorted by expert, are already grouped by owner. The ``[ep, E / ep]`` counts
+    go first (a fixed shape), then the payload; what arrives is grouped by source rank, then
+    expert, and is regrouped by expert for ``fn``. The results go back by the reverse
+    all-to-all, and weighting and summing happen at the token's own rank, as in
+    ``dropless``. Every local expert runs, on an empty slice if it got nothing.
+    """
+    ep, k = comm.size, idx.shape[1]
+    per = experts // ep
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    token = order // k
+    counts = expert_counts(idx, experts).view(ep, per)
+    incoming = exchange_counts(counts, comm, tag)  # [source, local expert]
+    both = host_counts(torch.cat([counts.reshape(-1), incoming.reshape(-1)]))
+    sent, got = both[: ep * per], both[ep * per :]
+    send = [sum(sent[j * per : (j + 1) * per]) for j in range(ep)]
+    recv = [sum(got[j * per : (j + 1) * per]) for j in range(ep)]
+    arrived = all_to_all_single(payload[token], send, recv, comm, tag).split(got)
+    # arrived[j * per + e]: source j's copies for local expert e.
+    ran = [fn(torch.cat(arrived[e::per]), e) for e in range(per)]
+    parts = [r.split([got[j * per + e] for j in range(ep)]) for e, r in enumerate(ran)]
+    back = torch.cat([parts[e][j] for j in range(ep) for e in range(per)])
+    out = all_to_all_single(back, recv, send, comm, tag)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    combined = out.new_zeros(payload.shape[0], out.shape[-1])
+    return combined.index_add(0, token, out)
+
+
+def shard_experts(model: nn.Module, comms: MeshComms) -> None:
+    """Keep this ep rank's ``E / ep`` routed experts of every MoE layer in ``model``, as
+    DTensors ``Shard(0)`` on the ``ep`` sub-mesh, and send the layers' copies to them.
+
+    The stacked ``[E, ...]`` weights must be whole and plain here (a model built and
+    initialised on every rank alike); the shard is a copy of this rank's rows, so DCP sees
+    the global expert dimension and reshards it. Shared experts stay whole on every rank.
+    """
+    ep = comms.ep
+    if ep.size == 1:
+        return
+    mesh = comms.dim_mesh("ep")
+    for layer in moe_layers(model):
+        for name, param in list(layer.experts.named_parameters()):
+            whole = param.detach()
+            n = whole.shape[0] // ep.size
+            shard = whole[ep.rank * n : (ep.rank + 1) * n].clone()
+            value = DTensor.from_local(
+                shard, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
+            )
+            path, _, attr = name.rpartition(".")
+            owner = layer.experts.get_submodule(path) if path else layer.experts
+            setattr(owner, attr, nn.Parameter(value, requires_grad=param.requires_grad))
+        layer.dispatch = functools.partial(dropless_ep, comm=ep)
