@@ -15,7 +15,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from boostlr.models.moe import moe_layers
 from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
-from boostlr.parallel.collectives import GroupComm, all_to_all_single, exchange_counts
+from boostlr.parallel.collectives import (
+    GroupComm,
+    all_reduce_,
+    all_to_all_single,
+    exchange_counts,
+)
 from boostlr.parallel.mesh import MeshComms
 
 
@@ -59,27 +64,65 @@ def dropless_ep(
     return combined.index_add(0, token, out)
 
 
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter ``name`` (a global name) is a routed expert's stacked weight, the
+    tensors expert parallelism shards (the shared experts' are not)."""
+    return ".mlp.experts." in name
+
+
+def expert_rows(experts: int, ep: GroupComm) -> tuple[int, int]:
+    """The rows ``[start, end)`` of the expert dimension this ep rank holds."""
+    per = experts // ep.size
+    return ep.rank * per, (ep.rank + 1) * per
+
+
+def as_expert_dtensor(shard: torch.Tensor, comms: MeshComms, shape: torch.Size) -> DTensor:
+    """This ep rank's rows of a stacked ``[E, ...]`` weight, as ``Shard(0)`` on ``ep``."""
+    stride = torch.empty(shape, device="meta").stride()
+    mesh = comms.dim_mesh("ep")
+    return DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def use_expert_parallel(model: nn.Module, ep: GroupComm) -> None:
+    """Give every MoE layer in ``model`` the all-to-all dispatch over ``ep``."""
+    for layer in moe_layers(model):
+        layer.dispatch = functools.partial(dropless_ep, comm=ep)
+
+
 def shard_experts(model: nn.Module, comms: MeshComms) -> None:
     """Keep this ep rank's ``E / ep`` routed experts of every MoE layer in ``model``, as
     DTensors ``Shard(0)`` on the ``ep`` sub-mesh, and send the layers' copies to them.
 
-    The stacked ``[E, ...]`` weights must be whole and plain here (a model built and
-    initialised on every rank alike); the shard is a copy of this rank's rows, so DCP sees
-    the global expert dimension and reshards it. Shared experts stay whole on every rank.
+    For a model built whole and alike on every rank (tests; the trainer draws only its rows,
+    :func:`boostlr.parallel.build.materialize`). Shared experts stay whole on every rank.
     """
     ep = comms.ep
     if ep.size == 1:
         return
-    mesh = comms.dim_mesh("ep")
     for layer in moe_layers(model):
         for name, param in list(layer.experts.named_parameters()):
-            whole = param.detach()
-            n = whole.shape[0] // ep.size
-            shard = whole[ep.rank * n : (ep.rank + 1) * n].clone()
-            value = DTensor.from_local(
-                shard, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
-            )
+            start, end = expert_rows(param.shape[0], ep)
+            value = as_expert_dtensor(param.detach()[start:end].clone(), comms, param.shape)
             path, _, attr = name.rpartition(".")
             owner = layer.experts.get_submodule(path) if path else layer.experts
             setattr(owner, attr, nn.Parameter(value, requires_grad=param.requires_grad))
-        layer.dispatch = functools.partial(dropless_ep, comm=ep)
+    use_expert_parallel(model, ep)
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, comms: MeshComms) -> None:
+    """Make each expert shard's gradient the dp mean, as FSDP makes the others'.
+
+    The all-to-all's backward has already summed the ep group's contributions into the
+    shard's owner; what is left is the sum over the shard's replicas (``dp_rep``: one
+    all-reduce, in the ledger) and the division by dp. Call once per step, after the last
+    backward and before clipping.
+    """
+    if comms.ep.size == 1:
+        return
+    rep, dp = comms.group("dp_rep"), comms.dp.size
+    for name, param in model.named_parameters():
+        if is_routed_expert(name) and param.grad is not None:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            all_reduce_(grad, rep, "expert_grads")
+            grad.div_(dp)
