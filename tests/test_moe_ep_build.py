@@ -1,6 +1,7 @@
 """The engine's build at dp 2 x ep 2: each rank draws only its experts' rows (equal to the
-one-device init's rows), FSDP leaves them alone, and one step's loss and every gradient
-equal one device's within the fp32 noise bound once :func:`reduce_expert_grads` has run.
+one-device init's rows), FSDP leaves them alone, and one step's loss, every gradient and
+the gradient norm equal one device's within the fp32 noise bound once
+:func:`reduce_expert_grads` has run.
 
 The trainer does not call it yet (``parallel.ep > 1`` is refused by ``validate``): this
 checks the pieces the trainer path will be assembled from.
@@ -49,7 +50,8 @@ def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
     reduce_expert_grads(model, model.comms)
     ledger = model.comms.ledger.totals("ep")
-    grads = {n: full_grad(p) for n, p in model.named_parameters()}
+    grads = {n: full_grad(p).clone() for n, p in model.named_parameters()}
+    norm = model.clip_gradients(0.0)  # the norm only: each expert shard counted once
 
     ref_loss = ref(inputs, targets)
     ref_loss.backward()
@@ -59,6 +61,8 @@ def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     bound = layout_bound(max(relative_error(g, exact[n]) for n, g in single.items()))
     worst = max(relative_error(g, exact[n]) for n, g in grads.items())
     assert set(grads) == set(single) and worst < bound, (worst, bound)
+    ref_norm = torch.nn.utils.get_total_norm(list(single.values()))
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
     return {"experts": experts, "ep_calls": ledger["calls"]}
 
 

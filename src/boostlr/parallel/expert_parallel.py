@@ -126,3 +126,22 @@ def reduce_expert_grads(model: nn.Module, comms: MeshComms) -> None:
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             all_reduce_(grad, rep, "expert_grads")
             grad.div_(dp)
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of gradients that live on several meshes (FSDP's ``dp``, the experts'
+    ``ep``), as a plain 0-d tensor.
+
+    ``get_total_norm`` stacks its per-tensor norms, which DTensor refuses across meshes; so
+    each mesh's gradients are normed together (a DTensor norm resolved over its mesh: an
+    ep shard's experts counted once), then those norms are. On one mesh it is that mesh's
+    norm, the same value as before there were two.
+    """
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, 2.0)
