@@ -15,6 +15,7 @@ from types import MappingProxyType
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from boostlr._torch_internals import unflatten_mesh
 from boostlr.config import ParallelConfig
 from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.platform import platform_for
@@ -122,16 +123,14 @@ def comms_on(mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> MeshCom
 
 
 def unflatten_experts(mesh: DeviceMesh, p: ParallelConfig) -> DeviceMesh:
-    """``mesh`` with its dp dim split as :func:`expert_mesh_shape` says (same ranks, new
-    groups; torch's ``DeviceMesh._unflatten``, which keeps the root mesh, so DTensors on
-    the ``ep`` sub-mesh and FSDP on ``dp`` live on one mesh)."""
+    """``mesh`` with its dp dim split as :func:`expert_mesh_shape` says: the same ranks, new
+    groups, one root mesh (so DTensors on the ``ep`` sub-mesh and FSDP on ``dp`` belong to
+    one mesh), by torch's private unflatten (:func:`~boostlr._torch_internals.unflatten_mesh`)."""
     shape = expert_mesh_shape(p)
     platform = platform_for(torch.device(mesh.device_type))
     options = platform.group_options(timedelta(seconds=p.timeout_s))  # as build_mesh's
     override = {name: (platform.backend, options) for name in EXPERT_DIMS}
-    return mesh._unflatten(
-        "dp", tuple(shape[n] for n in EXPERT_DIMS), EXPERT_DIMS, backend_override=override
-    )
+    return unflatten_mesh(mesh, "dp", tuple(shape[n] for n in EXPERT_DIMS), EXPERT_DIMS, override)
 
 
 def single_process_comms() -> MeshComms:
