@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -40,6 +41,7 @@ __all__ = [
     "set_group_timeout",
     "stage_backward",
     "torch_save_without_crc",
+    "unflatten_mesh",
     "wrapped_p2p_waits",
 ]
 
@@ -62,6 +64,19 @@ def in_backward() -> bool:
 def gloo_options() -> dist.ProcessGroup.Options:
     """gloo's backend options, the only way to give one mesh dimension its own timeout."""
     return dist.ProcessGroupGloo._Options()
+
+
+def unflatten_mesh(
+    mesh: DeviceMesh,
+    dim: str,
+    sizes: tuple[int, ...],
+    names: tuple[str, ...],
+    backend_override: dict[str, Any],
+) -> DeviceMesh:
+    """``mesh`` with dim ``dim`` split into ``names`` of ``sizes`` (the last fastest): the
+    same ranks, new groups, one root mesh (``DeviceMesh._unflatten``; the expert mesh of
+    :mod:`boostlr.parallel.mesh`). Canary: tests/test_moe_ep.py checks the groups' ranks."""
+    return mesh._unflatten(dim, sizes, names, backend_override=backend_override)
 
 
 def set_group_timeout(options: dist.ProcessGroup.Options, timeout: timedelta) -> None:

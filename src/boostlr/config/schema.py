@@ -60,7 +60,8 @@ OMITTED_AT_DEFAULT: dict[str, tuple[str, ...]] = {
         "moe_aux_coef",
         "moe_bias_rate",
         "moe_capacity",
-    )
+    ),
+    "parallel": ("ep",),
 }
 
 
@@ -316,6 +317,11 @@ class ParallelConfig:
     """Data-parallel degree (FSDP2 over the mesh's ``dp`` dim); -1 fills the rest of the
     world: ``parallel.nproc``, else the launcher's ``WORLD_SIZE`` / ``SLURM_NTASKS``, divided
     by ``pp x tp``."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of ``dp`` (it must divide it, and
+    ``model.moe_experts``): each group of ``ep`` consecutive dp ranks holds the routed
+    experts ``E / ep`` apiece and sends each routed token to its expert's owner
+    (docs/moe.md). 1 = every rank holds every expert."""
     pp: int = 1
     """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
     (times ``pp_virtual`` under ``interleaved``)."""

@@ -34,6 +34,8 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
     is loaded: checkpoints, exports)."""
     if m.moe_experts < 0:
         raise ConfigError(f"model.moe_experts must be >= 0 (0 = dense MLP), got {m.moe_experts}")
+    if p is not None:
+        _validate_ep(m, p)
     if m.moe_experts == 0:
         _no_moe_keys(m)
         return
@@ -95,6 +97,39 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
             "parallel.act_ckpt lowrank checkpoints BTP's regions, which an MoE block does not "
             "run: use --parallel.act_ckpt block (or none) with model.moe_experts > 0"
         )
+
+
+def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
+    """``parallel.ep``: a divisor of dp (ep ranks are carved out of it) and of the routed
+    experts (each ep rank holds ``E / ep`` of them)."""
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep must be >= 1 (1 = no expert parallelism), got {p.ep}")
+    if p.ep == 1:
+        return
+    if m.moe_experts == 0:
+        raise ConfigError(
+            f"parallel.ep {p.ep} needs routed experts: set --model.moe_experts or drop "
+            "--parallel.ep"
+        )
+    if p.dp >= 1 and p.dp % p.ep:
+        raise ConfigError(
+            f"parallel.ep {p.ep} must divide parallel.dp {p.dp}: expert-parallel ranks are "
+            "carved out of the data-parallel ones"
+        )
+    if m.moe_experts % p.ep:
+        raise ConfigError(
+            f"parallel.ep {p.ep} must divide model.moe_experts {m.moe_experts}: each ep rank "
+            "holds the same number of experts"
+        )
+    if m.moe_capacity:
+        raise ConfigError(
+            f"parallel.ep {p.ep} runs the dropless dispatch only: drop --model.moe_capacity "
+            f"({m.moe_capacity})"
+        )
+    raise ConfigError(
+        f"parallel.ep {p.ep} is not wired into the trainer yet (the model's expert-parallel "
+        "dispatch is; issue 38): run with --parallel.ep 1"
+    )
 
 
 def refuse_moe(m: ModelConfig, what: str, missing: str) -> None:

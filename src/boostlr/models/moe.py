@@ -31,7 +31,13 @@ from torch import nn
 from boostlr.config import ModelConfig
 from boostlr.config.validate_moe import moe_dispatch_of
 from boostlr.models.lowrank import LatentCrossing
-from boostlr.models.moe_dispatch import capacity_of, dropless, expert_counts, with_capacity
+from boostlr.models.moe_dispatch import (
+    Dispatch,
+    capacity_of,
+    dropless,
+    expert_counts,
+    with_capacity,
+)
 from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer, latent_sigma
 from boostlr.models.params import local
 from boostlr.models.placement import is_saved_buffer
@@ -179,6 +185,9 @@ class MoEMLP(nn.Module):
         self.layer_index = layer
         self.stats: torch.Tensor | None = None  # a log step's counts: start_stats, take_stats
         self.stat_forwards = 0
+        #: How routed copies reach experts held elsewhere (``None``: all are here); set with
+        #: the experts' sharding (:func:`boostlr.parallel.expert_parallel.shard_experts`).
+        self.dispatch: Dispatch | None = None
 
     def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
         lead = x.shape[:-1]
@@ -246,6 +255,8 @@ class MoEMLP(nn.Module):
         self.stat_forwards += 1
 
     def _routed(self, payload: torch.Tensor, route: Routing) -> torch.Tensor:
+        if self.dispatch is not None:
+            return self.dispatch(payload, route.idx, route.weights, self.experts_n, self.experts)
         if not self.capacity:
             return dropless(payload, route.idx, route.weights, self.experts_n, self.experts)
         tokens, k = route.idx.shape

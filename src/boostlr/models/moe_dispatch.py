@@ -12,6 +12,10 @@ choices ``j`` of each token ``t``:
   expert's capacity are dropped (they add nothing) and counted.
 
 The payload is whatever the dispatch carries (the d-wide token, or the 2r-wide latent).
+
+Expert parallelism routes through :class:`Dispatch`, a function of :func:`dropless`'s
+signature that the parallel engine gives the layer (:mod:`boostlr.parallel.expert_parallel`):
+the model imports nothing from the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Callable
 import torch
 
 ExpertFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
+#: ``(payload, idx, weights, experts, fn) -> combined``, as :func:`dropless`.
+Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, ExpertFn], torch.Tensor]
 
 
 def host_counts(counts: torch.Tensor) -> list[int]:

@@ -26,6 +26,12 @@ from boostlr.models.moe import zero_meta_buffers
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, stage_ids, stage_layers
 from boostlr.parallel.context import TPContext
 from boostlr.parallel.data_parallel import apply_data_parallel
+from boostlr.parallel.expert_parallel import (
+    as_expert_dtensor,
+    expert_rows,
+    is_routed_expert,
+    use_expert_parallel,
+)
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.sharding import ShardSpec, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -111,6 +117,10 @@ def materialize(
             spec, shape = part.specs[name], param.shape
             if name in VOCAB_PARAMS and part.ctx.vocab_dp_size > 1:
                 value = _vocab_dtensor(name, shape, seed, spec, part, comms, device, draw)
+            elif comms.ep.size > 1 and is_routed_expert(name):
+                box = [expert_rows(shape[0], comms.ep), *((0, n) for n in shape[1:])]
+                shard = initial_value(part.cfg, name, shape, seed, box, device, draw, chunk)
+                value = as_expert_dtensor(shard, comms, shape)
             else:
                 box = shard_box(shape, spec, rank, tp)
                 shard = initial_value(part.cfg, name, shape, seed, box, device, draw, chunk)
@@ -119,6 +129,8 @@ def materialize(
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
     zero_meta_buffers(model, device)  # the MoE router's, all zero at the start
+    if comms.ep.size > 1:
+        use_expert_parallel(model, comms.ep)
 
 
 def _vocab_dtensor(

@@ -1,6 +1,8 @@
 """Autograd-aware tensor-parallel collectives, in the shape of Megatron's mappings.
 
-Every tensor-parallel collective in boostlr goes through this module (docs/design.md §3):
+Every tensor-parallel collective in boostlr goes through this module (docs/design.md §3), and
+so does expert parallelism's variable all-to-all (:func:`exchange_counts`, then
+:func:`all_to_all_single`; docs/moe.md):
 
 * each primitive is a conjugate pair: whatever the forward does to the activation, the
   backward does the adjoint to its gradient (all-reduce <-> identity, all-gather <->
@@ -37,6 +39,8 @@ __all__ = [
     "Phase",
     "PendingAllReduce",
     "all_reduce_",
+    "all_to_all_single",
+    "exchange_counts",
     "copy_to_group",
     "copy_to_group_pending",
     "gather_from_group",
@@ -142,6 +146,22 @@ def _reduce_scatter(x: Tensor, dim: int, comm: GroupComm, tag: str, phase: Phase
     return out
 
 
+def _all_to_all(
+    x: Tensor, send: list[int], recv: list[int], comm: GroupComm, tag: str, phase: Phase
+) -> Tensor:
+    """Rows ``send[i]`` of ``x`` (in order) to rank ``i``; ``recv[i]`` rows back from it.
+
+    The ledger gets the whole input, the chunk the rank keeps included: the cost model's
+    bytes are what the call is handed, as for every other op here.
+    """
+    x = x.contiguous()
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    _record(comm, "all_to_all", x, tag, phase)
+    with _collective(comm, "all_to_all", tag, x):
+        dist.all_to_all_single(out, x, recv, send, group=comm.group)
+    return out
+
+
 def _local_chunk(x: Tensor, dim: int, comm: GroupComm, tag: str) -> Tensor:
     n = _chunk_len(x.shape, dim, comm, tag)
     return x.narrow(dim, comm.rank * n, n).contiguous()
@@ -224,6 +244,31 @@ class _ReduceScatterToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         return _all_gather(grad, ctx.dim, ctx.comm, ctx.tag, "bwd"), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable-split all-to-all forward; the reverse all-to-all (splits swapped) backward.
+
+    The permutation of rows it makes is its own adjoint's inverse: the gradient of a row
+    that went to rank ``j`` comes back from rank ``j`` to the slot it left.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, send: list[int], recv: list[int], comm: GroupComm, tag: str
+    ) -> Tensor:
+        ctx.send, ctx.recv, ctx.comm, ctx.tag = send, recv, comm, tag
+        return _all_to_all(x, send, recv, comm, tag, comm.ledger.forward_phase)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        return (
+            _all_to_all(grad, ctx.recv, ctx.send, ctx.comm, ctx.tag, "bwd"),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class PendingAllReduce:
@@ -365,3 +410,44 @@ def all_reduce_(
     if buf is not x:
         x.copy_(buf)
     return x
+
+
+@torch.compiler.disable
+def exchange_counts(counts: Tensor, comm: GroupComm, tag: str) -> Tensor:
+    """Row ``i`` of ``counts [size, n]`` (int64) to rank ``i``: what it will be sent.
+
+    The count half of a variable all-to-all, sent first: its shape is fixed (``[size, n]``
+    on every rank), so no rank can wait on a collective of another shape; the payload's
+    splits are read from its result. Not differentiable (counts have no gradient).
+    """
+    if counts.dim() != 2 or counts.shape[0] != comm.size:
+        raise ValueError(
+            f"[{tag}] counts must be [{comm.size}, n] for group '{comm.name}', got "
+            f"{tuple(counts.shape)}"
+        )
+    if comm.size == 1:
+        return counts
+    send = counts.contiguous()
+    out = torch.empty_like(send)
+    _record(comm, "all_to_all", send, f"{tag}.counts", comm.ledger.forward_phase)
+    with _collective(comm, "all_to_all", f"{tag}.counts", send):
+        dist.all_to_all_single(out, send, group=comm.group)
+    return out
+
+
+def all_to_all_single(
+    x: Tensor, send: list[int], recv: list[int], comm: GroupComm, tag: str
+) -> Tensor:
+    """Rows ``send[i]`` of ``x [rows, ...]`` to rank ``i``, ``recv[i]`` rows from it, in
+    rank order; backward sends the gradients back (splits swapped).
+
+    ``send`` and ``recv`` are host lists, ``recv`` from :func:`exchange_counts`.
+    """
+    if len(send) != comm.size or len(recv) != comm.size or sum(send) != x.shape[0]:
+        raise ValueError(
+            f"[{tag}] splits {send} -> {recv} do not fit {x.shape[0]} rows over the "
+            f"{comm.size} ranks of group '{comm.name}'"
+        )
+    if comm.size == 1:
+        return x
+    return _eager(_AllToAll, x, list(send), list(recv), comm, tag)

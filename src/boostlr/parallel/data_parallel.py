@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from boostlr._torch_internals import DefaultAllGather, DefaultReduceScatter, in_backward
 from boostlr.parallel.collectives import GroupComm
+from boostlr.parallel.expert_parallel import is_routed_expert
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.platform import fsdp_in_place_collectives
@@ -249,7 +250,11 @@ def apply_data_parallel(
     model = part.model
     vocab = (model.embed_tokens, model.lm_head)
     split = part.ctx.vocab_dp_size > 1
-    ignored = {m.weight for m in vocab if m is not None} if split else None
+    ignored = {m.weight for m in vocab if m is not None} if split else set()
+    # Routed experts at ep > 1: sharded over ep, reduced by reduce_expert_grads (docs/moe.md).
+    experts: set[torch.Tensor] = set()
+    if comms.ep.size > 1:
+        experts = {p for n, p in model.named_parameters() if is_routed_expert(n)}
     own = [] if split or model.cfg.tie_embeddings else [m for m in vocab if m is not None]
     modules = [*model.layers.values(), *own, part]
     policy = mixed_precision(dtype)  # the same for every unit: no unit casts activations
@@ -259,7 +264,7 @@ def apply_data_parallel(
             mesh=comms.dp_mesh,
             reshard_after_forward=reshard,
             mp_policy=policy,
-            ignored_params=ignored if module is part else None,
+            ignored_params=((ignored | experts) if module is part else experts) or None,
         )
     set_fsdp_collectives(modules, comms.dp, in_place_collectives(comms.dp.group))
 

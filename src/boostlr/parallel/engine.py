@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from boostlr.config import RunConfig
 from boostlr.models.moe import MoEMLP, moe_layers
 from boostlr.parallel.build import build_stages
+from boostlr.parallel.expert_parallel import total_grad_norm
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -121,9 +121,7 @@ class ParallelModel:
         params = [p for p in self.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         if grads:
-            norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
+            norm = total_grad_norm(grads)
         else:
             norm = torch.zeros((), device=self.device)
         if self.comms.pp.size > 1:  # each stage holds different parameters

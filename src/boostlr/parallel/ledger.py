@@ -17,10 +17,10 @@ import torch
 from boostlr.platform import WallTimer, platform_for
 
 Phase = Literal["fwd", "bwd", "recompute"]
-OpName = Literal["all_reduce", "all_gather", "reduce_scatter", "send"]
+OpName = Literal["all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all"]
 
 PHASES: tuple[Phase, ...] = ("fwd", "bwd", "recompute")
-OPS: tuple[OpName, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
+OPS: tuple[OpName, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from types import MappingProxyType
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from boostlr._torch_internals import unflatten_mesh
 from boostlr.config import ParallelConfig
 from boostlr.parallel.collectives import CommLedger, GroupComm
 from boostlr.platform import platform_for
@@ -27,6 +28,20 @@ def mesh_shape(p: ParallelConfig) -> dict[str, int]:
 
 
 MESH_DIMS: tuple[str, ...] = tuple(mesh_shape(ParallelConfig()))
+
+
+def expert_mesh_shape(p: ParallelConfig) -> dict[str, int]:
+    """The mesh as the routed experts see it: dp split into ``dp_rep x ep``, ``ep`` inner.
+
+    Not a fourth dim of :func:`mesh_shape`: everything but the experts (FSDP, the data
+    loader, the vocab split) keeps seeing one ``dp`` dim. The ``ep`` ranks are ``ep``
+    consecutive dp ranks; ``dp_rep`` indexes the replicas of one expert shard.
+    """
+    shape = mesh_shape(p)
+    return {"pp": shape["pp"], "dp_rep": shape["dp"] // p.ep, "ep": p.ep, "tp": shape["tp"]}
+
+
+EXPERT_DIMS: tuple[str, ...] = ("dp_rep", "ep")
 
 
 def mesh_coordinates(p: ParallelConfig, rank: int) -> dict[str, int]:
@@ -49,6 +64,8 @@ class MeshComms:
     mesh: DeviceMesh | None
     groups: Mapping[str, GroupComm]
     ledger: CommLedger
+    #: :func:`expert_mesh_shape`'s mesh, the same ranks with dp unflattened (``ep > 1``).
+    expert_mesh: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", MappingProxyType(dict(self.groups)))
@@ -60,8 +77,17 @@ class MeshComms:
         return self.groups[dim]
 
     def dim_mesh(self, *dims: str) -> DeviceMesh | None:
-        """The sub-mesh over ``dims`` (``None`` without a mesh: one process)."""
-        return None if self.mesh is None else self.mesh[dims if len(dims) > 1 else dims[0]]
+        """The sub-mesh over ``dims`` (``None`` without a mesh: one process); ``ep`` and
+        ``dp_rep`` are dims of :attr:`expert_mesh`."""
+        mesh = self.expert_mesh if set(dims) & set(EXPERT_DIMS) else self.mesh
+        if mesh is None:
+            return None
+        return mesh[dims if len(dims) > 1 else dims[0]]
+
+    @property
+    def ep(self) -> GroupComm:
+        """The expert-parallel group; size 1 (no collective) when the run has none."""
+        return self.groups.get("ep") or GroupComm(None, "ep", self.ledger)
 
     @property
     def tp(self) -> GroupComm:
@@ -84,12 +110,27 @@ class MeshComms:
         return self.dim_mesh("dp")
 
 
-def comms_on(mesh: DeviceMesh) -> MeshComms:
-    """One :class:`GroupComm` per dim of ``mesh``, named as the dim, on one new ledger."""
+def comms_on(mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> MeshComms:
+    """One :class:`GroupComm` per dim of ``mesh``, named as the dim, on one new ledger, and
+    the ``dp_rep`` and ``ep`` groups of ``expert_mesh`` when given."""
     ledger = CommLedger()
     names = mesh.mesh_dim_names or ()
     groups = {name: GroupComm(mesh.get_group(name), name, ledger) for name in names}
-    return MeshComms(mesh, groups, ledger)
+    if expert_mesh is not None:
+        for name in EXPERT_DIMS:
+            groups[name] = GroupComm(expert_mesh.get_group(name), name, ledger)
+    return MeshComms(mesh, groups, ledger, expert_mesh)
+
+
+def unflatten_experts(mesh: DeviceMesh, p: ParallelConfig) -> DeviceMesh:
+    """``mesh`` with its dp dim split as :func:`expert_mesh_shape` says: the same ranks, new
+    groups, one root mesh (so DTensors on the ``ep`` sub-mesh and FSDP on ``dp`` belong to
+    one mesh), by torch's private unflatten (:func:`~boostlr._torch_internals.unflatten_mesh`)."""
+    shape = expert_mesh_shape(p)
+    platform = platform_for(torch.device(mesh.device_type))
+    options = platform.group_options(timedelta(seconds=p.timeout_s))  # as build_mesh's
+    override = {name: (platform.backend, options) for name in EXPERT_DIMS}
+    return unflatten_mesh(mesh, "dp", tuple(shape[n] for n in EXPERT_DIMS), EXPERT_DIMS, override)
 
 
 def single_process_comms() -> MeshComms:
@@ -114,4 +155,4 @@ def build_mesh(p: ParallelConfig, device: torch.device) -> MeshComms:
         mesh_dim_names=tuple(shape),
         backend_override=override,
     )
-    return comms_on(mesh)
+    return comms_on(mesh, unflatten_experts(mesh, p) if p.ep > 1 else None)
