@@ -1,8 +1,8 @@
 """What an export writes besides the weights: HF config, tokenizer files, remote code.
 
-A low-rank export is a transformers remote-code model: ``config.json`` names its own
-``model_type`` (``boostlr_<arch>``) and an ``auto_map`` pointing at the two module files
-copied beside it. Every export, dense included, gets ``tokenizer_config.json`` and
+A low-rank or MoE export is a transformers remote-code model: ``config.json`` names its own
+``model_type`` (``boostlr_<arch>``) and an ``auto_map`` pointing at the module files copied
+beside it. Every export, dense included, gets ``tokenizer_config.json`` and
 ``special_tokens_map.json`` so ``AutoTokenizer`` knows the end-of-text token: without them
 it has no eos/bos and lm-evaluation-harness fails on the first rolling loglikelihood.
 """
@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig
+from boostlr.config.validate_moe import moe_dispatch_of
 from boostlr.data.tokenizer import eos_id
 from boostlr.hf import CONFIG_MODULE, HF_DIR, MODELING_MODULE, REMOTE_CODE_FILES
 
@@ -50,9 +51,13 @@ def llama_fields(m: ModelConfig) -> dict[str, Any]:
 
 
 def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
-    """``config.json`` of a low-rank export: HF field names, our extra fields, ``auto_map``."""
+    """``config.json`` of a remote-code export (low-rank, or MoE of any arch): HF field
+    names, our extra fields, ``auto_map``; the ``moe_*`` fields only for an MoE model, so a
+    dense model's file is what it was before MoE existed."""
     prefix = class_prefix(m.arch)
-    return {
+    factors = {"rank": m.rank} if m.lowrank else {}
+    crossing = {"lax_gate": m.lax_gate, "lax_gate_rank": m.lax_gate_rank} if m.lowrank else {}
+    config = {
         "architectures": [f"{prefix}ForCausalLM"],
         "model_type": f"boostlr_{m.arch}",
         "auto_map": {
@@ -60,14 +65,29 @@ def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
             "AutoModelForCausalLM": f"{MODELING_MODULE}.{prefix}ForCausalLM",
         },
         **llama_fields(m),
-        "rank": m.rank,
+        **factors,
         "mlp_form": m.mlp_form,
-        "lax_gate": m.lax_gate,
-        "lax_gate_rank": m.lax_gate_rank,
+        **crossing,
         "torch_dtype": "float32",
         "use_cache": True,
         "bos_token_id": tokens["bos_token_id"],
         "eos_token_id": tokens["eos_token_id"],
+    }
+    return config if m.moe_experts == 0 else {**config, **moe_fields(m)}
+
+
+def moe_fields(m: ModelConfig) -> dict[str, Any]:
+    """What the remote code's MoE MLP needs (the dispatch resolved); the training-only keys
+    (``moe_aux_coef``, ``moe_bias_rate``) stay in the ``"boostlr"`` section alone."""
+    return {
+        "moe_experts": m.moe_experts,
+        "moe_top_k": m.moe_top_k,
+        "moe_shared": m.moe_shared,
+        "moe_ffn_dim": m.moe_ffn_dim,
+        "moe_dense_layers": m.moe_dense_layers,
+        "moe_dispatch": moe_dispatch_of(m),
+        "moe_balance": m.moe_balance,
+        "moe_capacity": m.moe_capacity,
     }
 
 

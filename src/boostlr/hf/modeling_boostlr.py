@@ -1,6 +1,7 @@
 """Hugging Face model of boostlr's low-rank LLaMA variants (SVD, CoLA, LaX), with KV cache.
 
-Copied into every low-rank export beside ``configuration_boostlr.py`` and loaded by
+Copied into every low-rank or MoE export beside ``configuration_boostlr.py`` and
+``modeling_boostlr_moe.py`` and loaded by
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It imports torch and
 transformers only. The math is boostlr's single-device model operation for operation (fp32
 RMSNorm, RoPE in the ``rotate_half`` layout with the sign folded into the sin table, SDPA,
@@ -12,6 +13,10 @@ Every block linear is ``up(h(down(x)))``: ``h`` is the identity for SVD, SiLU fo
 for LaX ``SiLU(LN_r(down(x) + G(z_prev)))``, where ``z_prev`` is the latent the same linear
 of the previous block produced at the same position. The latent is per position, so cached
 decoding only needs it for the new tokens and the KV cache is the usual one.
+
+With ``moe_experts > 0`` the blocks from ``moe_dense_layers`` on have boostlr's mixture of
+experts as their MLP (:class:`BoostlrMoeMLP`); arch ``full`` (``W x`` linears) exists here
+only for such MoE models.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .configuration_boostlr import (
     BoostlrColaConfig,
     BoostlrConfig,
+    BoostlrFullConfig,
     BoostlrLaxConfig,
     BoostlrSvdConfig,
+)
+from .modeling_boostlr_moe import (
+    BoostlrRouter,
+    LatentExperts,
+    WholeExperts,
+    dropless,
+    with_capacity,
 )
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -85,30 +98,56 @@ class BoostlrLatentCrossing(nn.Module):
         return self.norm(u), u
 
 
-class BoostlrLowRankLinear(nn.Module):
-    """``up(h(down(x)))``; returns the output and LaX's latent (``None`` for SVD and CoLA)."""
+class BoostlrDenseLinear(nn.Module):
+    """``W x`` (arch ``full``, MoE models only); no latent."""
 
-    def __init__(self, config: BoostlrConfig, d_in: int, d_out: int, layer: int):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+
+    def forward(self, x: torch.Tensor, z_prev: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
+
+
+class BoostlrLowRankLinear(nn.Module):
+    """``up(h(down(x)))``; returns the output and LaX's latent (``None`` for SVD and CoLA).
+
+    ``d_out=None`` keeps only ``h(down(x))``: an MoE MLP's shared in-factor (``A_g``, ``A_u``).
+    """
+
+    def __init__(self, config: BoostlrConfig, d_in: int, d_out: int | None, layer: int):
         super().__init__()
         self.arch = config.arch
         self.down = nn.Linear(d_in, config.rank, bias=False)
-        self.up = nn.Linear(config.rank, d_out, bias=False)
+        if d_out is not None:
+            self.up = nn.Linear(config.rank, d_out, bias=False)
         if self.arch == "lax":
             self.cross = BoostlrLatentCrossing(config, config.lax_gate if layer > 0 else None)
+
+    def latent(
+        self, x: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``h(down(x))`` and LaX's latent."""
+        a = self.down(x)
+        if self.arch == "lax":
+            normed, z = self.cross(a, z_prev)
+            return F.silu(normed), z
+        return (F.silu(a) if self.arch == "cola" else a), None
 
     def forward(
         self, x: torch.Tensor, z_prev: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        a = self.down(x)
-        z = None
-        if self.arch == "lax":
-            normed, z = self.cross(a, z_prev)
-            h = F.silu(normed)
-        elif self.arch == "cola":
-            h = F.silu(a)
-        else:
-            h = a
+        h, z = self.latent(x, z_prev)
         return self.up(h), z
+
+
+def make_linear(
+    config: BoostlrConfig, d_in: int, d_out: int, layer: int
+) -> BoostlrDenseLinear | BoostlrLowRankLinear:
+    """The block linear of the config's arch."""
+    if config.arch == "full":
+        return BoostlrDenseLinear(d_in, d_out)
+    return BoostlrLowRankLinear(config, d_in, d_out, layer)
 
 
 def rope_tables(
@@ -139,7 +178,7 @@ class BoostlrAttention(nn.Module):
         d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
         shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
         for name, (d_in, d_out) in shapes.items():
-            setattr(self, name, BoostlrLowRankLinear(config, d_in, d_out, layer))
+            setattr(self, name, make_linear(config, d_in, d_out, layer))
 
     def forward(
         self,
@@ -180,7 +219,7 @@ class BoostlrMLP(nn.Module):
         d, f = config.hidden_size, config.intermediate_size
         shapes = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
         for name, (d_in, d_out) in shapes.items():
-            setattr(self, name, BoostlrLowRankLinear(config, d_in, d_out, layer))
+            setattr(self, name, make_linear(config, d_in, d_out, layer))
 
     def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
         z: Latents = {}
@@ -191,6 +230,66 @@ class BoostlrMLP(nn.Module):
         return y, z
 
 
+class _SharedOut(nn.Module):
+    """The MoE MLP's shared out-factor ``B_d`` (r -> d), named ``down_proj.up`` as in CoLA."""
+
+    def __init__(self, config: BoostlrConfig):
+        super().__init__()
+        self.up = nn.Linear(config.rank, config.hidden_size, bias=False)
+
+
+class BoostlrMoeMLP(nn.Module):
+    """boostlr's mixture-of-experts MLP: routed top-k plus shared experts (weight 1).
+
+    ``latent`` dispatch: ``z = [h(A_g x) | h(A_u x)]`` (the arch's latent, LaX's crossing
+    included), experts map ``z`` to ``r`` wide outputs, one ``B_d`` maps their weighted sum.
+    ``hidden``: every expert a whole MLP of the arch on the d-wide token. Under LaX the
+    latents passed on are those of ``A_g`` and ``A_u``; ``down_proj`` has none.
+    """
+
+    def __init__(self, config: BoostlrConfig, layer: int):
+        super().__init__()
+        c, n, shared = config, config.moe_experts, config.moe_shared
+        self.experts_n, self.capacity = n, config.moe_capacity
+        self.latent = config.moe_dispatch == "latent"
+        self.router = BoostlrRouter(n, c.moe_top_k, c.hidden_size, c.moe_balance)
+        act, form, f = c.latent_activation, c.mlp_form, c.moe_ffn_dim
+        if self.latent:
+            self.gate_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_g
+            self.up_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_u
+            self.down_proj = _SharedOut(c)  # B_d
+            self.experts: nn.Module = LatentExperts(n, c.rank, f, act, form)
+            if shared:
+                self.shared = LatentExperts(shared, c.rank, f, act, form)
+        else:
+            rank = c.rank if c.lowrank else None
+            self.experts = WholeExperts(n, c.hidden_size, f, rank, act, form)
+            if shared:
+                self.shared = WholeExperts(shared, c.hidden_size, f, rank, act, form)
+
+    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, x.shape[-1])
+        idx, weights = self.router(tokens)
+        z: Latents = {}
+        if self.latent:
+            zg, z["gate_proj"] = self.gate_proj.latent(x, _get(z_prev, "gate_proj"))
+            zu, z["up_proj"] = self.up_proj.latent(x, _get(z_prev, "up_proj"))
+            payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
+        else:
+            payload = tokens
+        if self.capacity:
+            args = (self.experts_n, self.capacity, self.experts)
+            out = with_capacity(payload, idx, weights, *args)
+        else:
+            out = dropless(payload, idx, weights, self.experts_n, self.experts)
+        if hasattr(self, "shared"):
+            out = out + self.shared(payload, None).sum(0)
+        if self.latent:
+            out = self.down_proj.up(out)
+        return out.reshape(*lead, -1), {k: v for k, v in z.items() if v is not None}
+
+
 class BoostlrDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -199,7 +298,8 @@ class BoostlrDecoderLayer(nn.Module):
         self.input_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = BoostlrAttention(config, layer)
         self.post_attention_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = BoostlrMLP(config, layer)
+        moe = config.moe_experts > 0 and layer >= config.moe_dense_layers
+        self.mlp = BoostlrMoeMLP(config, layer) if moe else BoostlrMLP(config, layer)
 
     def forward(
         self,
@@ -376,10 +476,15 @@ class BoostlrLaxForCausalLM(BoostlrForCausalLM):
     config_class = BoostlrLaxConfig
 
 
+class BoostlrFullForCausalLM(BoostlrForCausalLM):
+    config_class = BoostlrFullConfig
+
+
 MODEL_CLASSES = {
     "svd": BoostlrSvdForCausalLM,
     "cola": BoostlrColaForCausalLM,
     "lax": BoostlrLaxForCausalLM,
+    "full": BoostlrFullForCausalLM,
 }
 
 
