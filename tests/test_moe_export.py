@@ -29,7 +29,7 @@ from boostlr.config import RunConfig, build_config
 from boostlr.data import prepare_dataset
 from boostlr.evaluate import run_eval
 from boostlr.export import export_checkpoint, hf_name, load_pretrained
-from boostlr.hf import HF_DIR, REMOTE_CODE_FILES
+from boostlr.hf import HF_DIR, MOE_REMOTE_CODE_FILES, REMOTE_CODE_FILES
 from boostlr.models.llama import LlamaModel
 from boostlr.models.moe import moe_layers
 from boostlr.rundir.checkpoint import list_checkpoints, load_model_state, open_checkpoint
@@ -137,17 +137,19 @@ def test_moe_export_is_a_remote_code_model_with_our_logits(
     m = cfg.model
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == f"boostlr_{m.arch}"
-    assert config["architectures"] == [f"Boostlr{m.arch.capitalize()}ForCausalLM"]
+    assert config["architectures"] == [f"Boostlr{m.arch.capitalize()}MoeForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_boostlr_moe.")
     assert config["moe_experts"] == 4 and config["moe_dense_layers"] == m.moe_dense_layers
     assert config["moe_dispatch"] == (
         "hidden" if m.arch == "full" or "hidden" in case else "latent"
     )
     assert config["boostlr"]["moe_experts"] == 4  # boostlr's own section, as for dense
-    for name in REMOTE_CODE_FILES:
+    for name in MOE_REMOTE_CODE_FILES:
         assert (out / name).read_bytes() == (HF_DIR / name).read_bytes()
 
     hf = _load(out)
     assert type(hf).__module__.startswith("transformers_modules")
+    assert type(hf).__name__ == config["architectures"][0]
     # The remote code's names are boostlr's, the balance bias included.
     ours = {hf_name(k) for k in model.state_dict() if not k.endswith(".load")}
     if m.tie_embeddings:
@@ -164,6 +166,20 @@ def test_moe_export_is_a_remote_code_model_with_our_logits(
     assert_logits_within_noise(theirs, model, tokens)
     if m.moe_capacity:  # the case really drops copies, and the export drops the same ones
         assert sum(int(layer.dropped) for layer in moe_layers(model)) > 0
+
+
+@pytest.mark.parametrize("arch", ["cola", "full"])
+def test_a_dense_export_has_no_moe_fields_or_file(
+    tmp_path: Path, tokenizer_file: Path, arch: str
+) -> None:
+    """The MoE fields and module join MoE exports only: a dense export is what it was."""
+    cfg = run_config(arch)
+    ckpt = write_checkpoint(tmp_path / "run", cfg, perturbed_model(cfg), tokenizer_file)
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert not [k for k in [*config, *config["boostlr"]] if k.startswith("moe_")]
+    assert not (out / MOE_REMOTE_CODE_FILES[-1]).exists()
+    assert all((out / f).exists() == cfg.model.lowrank for f in REMOTE_CODE_FILES)
 
 
 def test_the_exported_bias_decides_the_routing(tmp_path: Path, tokenizer_file: Path) -> None:

@@ -152,7 +152,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
         shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
         write_tokenizer_files(tmp, tokenizer, cfg.max_seq_len)
         if remote_code(cfg):
-            copy_remote_code(tmp)
+            copy_remote_code(tmp, moe=cfg.moe_experts > 0)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

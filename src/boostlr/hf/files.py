@@ -19,7 +19,14 @@ from tokenizers import Tokenizer
 from boostlr.config import ModelConfig
 from boostlr.config.validate_moe import moe_dispatch_of
 from boostlr.data.tokenizer import eos_id
-from boostlr.hf import CONFIG_MODULE, HF_DIR, MODELING_MODULE, REMOTE_CODE_FILES
+from boostlr.hf import (
+    CONFIG_MODULE,
+    HF_DIR,
+    MODELING_MODULE,
+    MOE_MODULE,
+    MOE_REMOTE_CODE_FILES,
+    REMOTE_CODE_FILES,
+)
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
@@ -31,6 +38,15 @@ _BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>")
 def class_prefix(arch: str) -> str:
     """``cola`` -> ``BoostlrCola``: the class names of each arch in the remote-code files."""
     return "Boostlr" + arch.capitalize()
+
+
+def model_class(m: ModelConfig) -> tuple[str, str]:
+    """``(module, class)`` of the remote-code model: ``BoostlrColaForCausalLM`` in
+    ``modeling_boostlr``, or an MoE model's ``BoostlrColaMoeForCausalLM`` in its own module."""
+    prefix = class_prefix(m.arch)
+    if m.moe_experts:
+        return MOE_MODULE, f"{prefix}MoeForCausalLM"
+    return MODELING_MODULE, f"{prefix}ForCausalLM"
 
 
 def llama_fields(m: ModelConfig) -> dict[str, Any]:
@@ -55,14 +71,15 @@ def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
     names, our extra fields, ``auto_map``; the ``moe_*`` fields only for an MoE model, so a
     dense model's file is what it was before MoE existed."""
     prefix = class_prefix(m.arch)
+    module, model = model_class(m)
     factors = {"rank": m.rank} if m.lowrank else {}
     crossing = {"lax_gate": m.lax_gate, "lax_gate_rank": m.lax_gate_rank} if m.lowrank else {}
     config = {
-        "architectures": [f"{prefix}ForCausalLM"],
+        "architectures": [model],
         "model_type": f"boostlr_{m.arch}",
         "auto_map": {
             "AutoConfig": f"{CONFIG_MODULE}.{prefix}Config",
-            "AutoModelForCausalLM": f"{MODELING_MODULE}.{prefix}ForCausalLM",
+            "AutoModelForCausalLM": f"{module}.{model}",
         },
         **llama_fields(m),
         **factors,
@@ -128,7 +145,8 @@ def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_seq_len: int) -> 
     (out / SPECIAL_TOKENS_MAP).write_text(json.dumps(names, indent=2) + "\n")
 
 
-def copy_remote_code(out: Path) -> None:
-    """The configuration and modeling modules, byte for byte, beside the weights."""
-    for name in REMOTE_CODE_FILES:
+def copy_remote_code(out: Path, moe: bool = False) -> None:
+    """The configuration and modeling modules (and ``moe``'s), byte for byte, beside the
+    weights."""
+    for name in MOE_REMOTE_CODE_FILES if moe else REMOTE_CODE_FILES:
         shutil.copyfile(HF_DIR / name, out / name)

@@ -1,7 +1,6 @@
 """Hugging Face model of boostlr's low-rank LLaMA variants (SVD, CoLA, LaX), with KV cache.
 
-Copied into every low-rank or MoE export beside ``configuration_boostlr.py`` and
-``modeling_boostlr_moe.py`` and loaded by
+Copied into every low-rank or MoE export beside ``configuration_boostlr.py`` and loaded by
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It imports torch and
 transformers only. The math is boostlr's single-device model operation for operation (fp32
 RMSNorm, RoPE in the ``rotate_half`` layout with the sign folded into the sin table, SDPA,
@@ -14,9 +13,11 @@ for LaX ``SiLU(LN_r(down(x) + G(z_prev)))``, where ``z_prev`` is the latent the 
 of the previous block produced at the same position. The latent is per position, so cached
 decoding only needs it for the new tokens and the KV cache is the usual one.
 
-With ``moe_experts > 0`` the blocks from ``moe_dense_layers`` on have boostlr's mixture of
-experts as their MLP (:class:`BoostlrMoeMLP`); arch ``full`` (``W x`` linears) exists here
-only for such MoE models.
+A mixture-of-experts export adds ``modeling_boostlr_moe.py``, whose model classes subclass
+these and give the blocks from ``moe_dense_layers`` on an MoE MLP (the hooks are
+``BoostlrDecoderLayer.mlp_for``, ``BoostlrModel.decoder_layer`` and
+``BoostlrForCausalLM.inner_model``); a dense export does not carry it. Arch ``full`` (``W x``
+linears) is here only for such MoE models: a dense ``full`` model exports as an HF LLaMA.
 """
 
 from __future__ import annotations
@@ -34,16 +35,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .configuration_boostlr import (
     BoostlrColaConfig,
     BoostlrConfig,
-    BoostlrFullConfig,
     BoostlrLaxConfig,
     BoostlrSvdConfig,
-)
-from .modeling_boostlr_moe import (
-    BoostlrRouter,
-    LatentExperts,
-    WholeExperts,
-    dropless,
-    with_capacity,
 )
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -230,66 +223,6 @@ class BoostlrMLP(nn.Module):
         return y, z
 
 
-class _SharedOut(nn.Module):
-    """The MoE MLP's shared out-factor ``B_d`` (r -> d), named ``down_proj.up`` as in CoLA."""
-
-    def __init__(self, config: BoostlrConfig):
-        super().__init__()
-        self.up = nn.Linear(config.rank, config.hidden_size, bias=False)
-
-
-class BoostlrMoeMLP(nn.Module):
-    """boostlr's mixture-of-experts MLP: routed top-k plus shared experts (weight 1).
-
-    ``latent`` dispatch: ``z = [h(A_g x) | h(A_u x)]`` (the arch's latent, LaX's crossing
-    included), experts map ``z`` to ``r`` wide outputs, one ``B_d`` maps their weighted sum.
-    ``hidden``: every expert a whole MLP of the arch on the d-wide token. Under LaX the
-    latents passed on are those of ``A_g`` and ``A_u``; ``down_proj`` has none.
-    """
-
-    def __init__(self, config: BoostlrConfig, layer: int):
-        super().__init__()
-        c, n, shared = config, config.moe_experts, config.moe_shared
-        self.experts_n, self.capacity = n, config.moe_capacity
-        self.latent = config.moe_dispatch == "latent"
-        self.router = BoostlrRouter(n, c.moe_top_k, c.hidden_size, c.moe_balance)
-        act, form, f = c.latent_activation, c.mlp_form, c.moe_ffn_dim
-        if self.latent:
-            self.gate_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_g
-            self.up_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_u
-            self.down_proj = _SharedOut(c)  # B_d
-            self.experts: nn.Module = LatentExperts(n, c.rank, f, act, form)
-            if shared:
-                self.shared = LatentExperts(shared, c.rank, f, act, form)
-        else:
-            rank = c.rank if c.lowrank else None
-            self.experts = WholeExperts(n, c.hidden_size, f, rank, act, form)
-            if shared:
-                self.shared = WholeExperts(shared, c.hidden_size, f, rank, act, form)
-
-    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
-        lead = x.shape[:-1]
-        tokens = x.reshape(-1, x.shape[-1])
-        idx, weights = self.router(tokens)
-        z: Latents = {}
-        if self.latent:
-            zg, z["gate_proj"] = self.gate_proj.latent(x, _get(z_prev, "gate_proj"))
-            zu, z["up_proj"] = self.up_proj.latent(x, _get(z_prev, "up_proj"))
-            payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
-        else:
-            payload = tokens
-        if self.capacity:
-            args = (self.experts_n, self.capacity, self.experts)
-            out = with_capacity(payload, idx, weights, *args)
-        else:
-            out = dropless(payload, idx, weights, self.experts_n, self.experts)
-        if hasattr(self, "shared"):
-            out = out + self.shared(payload, None).sum(0)
-        if self.latent:
-            out = self.down_proj.up(out)
-        return out.reshape(*lead, -1), {k: v for k, v in z.items() if v is not None}
-
-
 class BoostlrDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -298,8 +231,12 @@ class BoostlrDecoderLayer(nn.Module):
         self.input_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = BoostlrAttention(config, layer)
         self.post_attention_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
-        moe = config.moe_experts > 0 and layer >= config.moe_dense_layers
-        self.mlp = BoostlrMoeMLP(config, layer) if moe else BoostlrMLP(config, layer)
+        self.mlp = self.mlp_for(config, layer)
+
+    @staticmethod
+    def mlp_for(config: BoostlrConfig, layer: int) -> nn.Module:
+        """Block ``layer``'s MLP: ``(y, latents) = mlp(x, z_prev)``."""
+        return BoostlrMLP(config, layer)
 
     def forward(
         self,
@@ -327,11 +264,13 @@ class BoostlrPreTrainedModel(PreTrainedModel):
 class BoostlrModel(BoostlrPreTrainedModel):
     """Embedding, blocks and final norm (no head), like ``LlamaModel``."""
 
+    decoder_layer: type[BoostlrDecoderLayer] = BoostlrDecoderLayer
+
     def __init__(self, config: BoostlrConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [BoostlrDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+            [self.decoder_layer(config, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
@@ -379,10 +318,11 @@ class BoostlrForCausalLM(BoostlrPreTrainedModel, GenerationMixin):
     _tied_weights_keys = (
         {"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_5 else ["lm_head.weight"]
     )
+    inner_model: type[BoostlrModel] = BoostlrModel
 
     def __init__(self, config: BoostlrConfig):
         super().__init__(config)
-        self.model = BoostlrModel(config)
+        self.model = self.inner_model(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -476,15 +416,10 @@ class BoostlrLaxForCausalLM(BoostlrForCausalLM):
     config_class = BoostlrLaxConfig
 
 
-class BoostlrFullForCausalLM(BoostlrForCausalLM):
-    config_class = BoostlrFullConfig
-
-
 MODEL_CLASSES = {
     "svd": BoostlrSvdForCausalLM,
     "cola": BoostlrColaForCausalLM,
     "lax": BoostlrLaxForCausalLM,
-    "full": BoostlrFullForCausalLM,
 }
 
 

@@ -1,11 +1,13 @@
-"""The mixture-of-experts pieces of the remote-code model: router, stacked experts, dispatch.
+"""Hugging Face model of boostlr's mixture-of-experts models (any arch), with KV cache.
 
-Copied into every remote-code export beside ``modeling_boostlr.py`` (which builds the MoE MLP
-from these and the arch's linears). It imports torch only, so an export loads without
-boostlr; the math restates boostlr's ``models/moe.py``, ``moe_experts.py`` and
-``moe_dispatch.py`` operation for operation, so the logits are boostlr's own forward's, and
-the parameter names are boostlr's (``router.weight``, ``router.expert_bias``,
-``experts.gate_proj.up.weight [E, f_e, r]``, ...), so the weights load by name.
+Copied into every MoE export beside ``configuration_boostlr.py`` and ``modeling_boostlr.py``,
+whose classes these subclass: the blocks from ``moe_dense_layers`` on get
+:class:`BoostlrMoeMLP`, the earlier ones keep the dense MLP. It imports torch and
+transformers only, so an export loads without boostlr; the math restates boostlr's
+``models/moe.py``, ``moe_experts.py`` and ``moe_dispatch.py`` operation for operation, so the
+logits are boostlr's own forward's, and the parameter names are boostlr's
+(``mlp.router.weight``, ``mlp.router.expert_bias``, ``mlp.experts.gate_proj.up.weight
+[E, f_e, r]``, ...), so the weights load by name. A dense export does not carry this file.
 
 Dispatch is boostlr's too: dropless (copies sorted by expert, each expert once on its
 slice), or with ``moe_capacity > 0`` a fixed capacity per expert whose overflow is dropped,
@@ -21,6 +23,23 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .configuration_boostlr import (
+    BoostlrColaConfig,
+    BoostlrConfig,
+    BoostlrFullConfig,
+    BoostlrLaxConfig,
+    BoostlrSvdConfig,
+)
+from .modeling_boostlr import (
+    BoostlrDecoderLayer,
+    BoostlrForCausalLM,
+    BoostlrLowRankLinear,
+    BoostlrMLP,
+    BoostlrModel,
+    Latents,
+    _get,
+)
 
 ExpertFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
 
@@ -174,3 +193,107 @@ def with_capacity(
     w = weights.t().reshape(-1).to(out.dtype)
     combined = out.new_zeros(tokens, out.shape[-1])
     return combined.index_add(0, token, out[row] * w.unsqueeze(-1))
+
+
+class _SharedOut(nn.Module):
+    """The MoE MLP's shared out-factor ``B_d`` (r -> d), named ``down_proj.up`` as in CoLA."""
+
+    def __init__(self, config: BoostlrConfig):
+        super().__init__()
+        self.up = nn.Linear(config.rank, config.hidden_size, bias=False)
+
+
+class BoostlrMoeMLP(nn.Module):
+    """boostlr's mixture-of-experts MLP: routed top-k plus shared experts (weight 1).
+
+    ``latent`` dispatch: ``z = [h(A_g x) | h(A_u x)]`` (the arch's latent, LaX's crossing
+    included), experts map ``z`` to ``r`` wide outputs, one ``B_d`` maps their weighted sum.
+    ``hidden``: every expert a whole MLP of the arch on the d-wide token. Under LaX the
+    latents passed on are those of ``A_g`` and ``A_u``; ``down_proj`` has none.
+    """
+
+    def __init__(self, config: BoostlrConfig, layer: int):
+        super().__init__()
+        c, n, shared = config, config.moe_experts, config.moe_shared
+        self.experts_n, self.capacity = n, config.moe_capacity
+        self.latent = config.moe_dispatch == "latent"
+        self.router = BoostlrRouter(n, c.moe_top_k, c.hidden_size, c.moe_balance)
+        act, form, f = c.latent_activation, c.mlp_form, c.moe_ffn_dim
+        if self.latent:
+            self.gate_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_g
+            self.up_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_u
+            self.down_proj = _SharedOut(c)  # B_d
+            self.experts: nn.Module = LatentExperts(n, c.rank, f, act, form)
+            if shared:
+                self.shared = LatentExperts(shared, c.rank, f, act, form)
+        else:
+            rank = c.rank if c.lowrank else None
+            self.experts = WholeExperts(n, c.hidden_size, f, rank, act, form)
+            if shared:
+                self.shared = WholeExperts(shared, c.hidden_size, f, rank, act, form)
+
+    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, x.shape[-1])
+        idx, weights = self.router(tokens)
+        z: Latents = {}
+        if self.latent:
+            zg, z["gate_proj"] = self.gate_proj.latent(x, _get(z_prev, "gate_proj"))
+            zu, z["up_proj"] = self.up_proj.latent(x, _get(z_prev, "up_proj"))
+            payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
+        else:
+            payload = tokens
+        if self.capacity:
+            args = (self.experts_n, self.capacity, self.experts)
+            out = with_capacity(payload, idx, weights, *args)
+        else:
+            out = dropless(payload, idx, weights, self.experts_n, self.experts)
+        if hasattr(self, "shared"):
+            out = out + self.shared(payload, None).sum(0)
+        if self.latent:
+            out = self.down_proj.up(out)
+        return out.reshape(*lead, -1), {k: v for k, v in z.items() if v is not None}
+
+
+class BoostlrMoeDecoderLayer(BoostlrDecoderLayer):
+    """A block whose MLP is :class:`BoostlrMoeMLP` from ``moe_dense_layers`` on."""
+
+    @staticmethod
+    def mlp_for(config: BoostlrConfig, layer: int) -> nn.Module:
+        if layer >= config.moe_dense_layers:
+            return BoostlrMoeMLP(config, layer)
+        return BoostlrMLP(config, layer)
+
+
+class BoostlrMoeModel(BoostlrModel):
+    decoder_layer = BoostlrMoeDecoderLayer
+    _no_split_modules = ["BoostlrMoeDecoderLayer"]
+
+
+class BoostlrMoeForCausalLM(BoostlrForCausalLM):
+    inner_model = BoostlrMoeModel
+    _no_split_modules = ["BoostlrMoeDecoderLayer"]
+
+
+class BoostlrSvdMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrSvdConfig
+
+
+class BoostlrColaMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrColaConfig
+
+
+class BoostlrLaxMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrLaxConfig
+
+
+class BoostlrFullMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrFullConfig
+
+
+MOE_MODEL_CLASSES = {
+    "svd": BoostlrSvdMoeForCausalLM,
+    "cola": BoostlrColaMoeForCausalLM,
+    "lax": BoostlrLaxMoeForCausalLM,
+    "full": BoostlrFullMoeForCausalLM,
+}
