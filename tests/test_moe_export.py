@@ -33,6 +33,7 @@ from boostlr.hf import HF_DIR, MOE_REMOTE_CODE_FILES, REMOTE_CODE_FILES
 from boostlr.models.llama import LlamaModel
 from boostlr.models.moe import moe_layers
 from boostlr.rundir.checkpoint import list_checkpoints, load_model_state, open_checkpoint
+from boostlr.specs.arch import ARCHS
 from boostlr.train import run as trainer
 
 transformers = pytest.importorskip("transformers")
@@ -55,6 +56,7 @@ CASES = {
         "cola",
         [("model.moe_dispatch", "hidden"), ("model.moe_balance", "aux"), ("model.mlp", "swiglu")],
     ),
+    "svd-hidden-bias": ("svd", [("model.moe_dispatch", "hidden")]),
     "cola-latent-capacity": ("cola", [("model.moe_capacity", "0.75")]),
     "full-hidden-capacity-aux": (
         "full",
@@ -220,6 +222,41 @@ def test_moe_generate_with_kv_cache_matches_boostlr_greedy(
             ours = torch.cat([ours, model(ours)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert_logits_within_noise(last, model, cached, last=True)  # the cache is used, and right
     assert cached.tolist() == ours.tolist()
+
+
+def test_moe_left_padded_batch_generates_what_each_prompt_does_alone(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    """Dropless routing is per token, so padding a prompt beside a longer one changes
+    nothing (lm-eval and batched generation pad)."""
+    _, _, out = _export(tmp_path, "lax-latent-bias-shared2-dense1-tied", tokenizer_file)
+    hf = _load(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    tok.padding_side = "left"
+    prompts = ["alpha beta gamma delta epsilon zeta", "kappa lambda"]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert not bool(batch["attention_mask"].all())
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None}
+    with torch.no_grad():
+        together = hf.generate(**batch, **kwargs)
+        for row, prompt in enumerate(prompts):
+            alone = hf.generate(**tok(prompt, return_tensors="pt"), **kwargs)
+            assert together[row, -6:].tolist() == alone[0, -6:].tolist()
+
+
+def test_every_arch_has_its_moe_model_class() -> None:
+    """``config.json`` names a class the MoE module has, for every arch, with the config
+    class of that arch (transformers checks the two agree)."""
+    from boostlr.hf.configuration_boostlr import CONFIG_CLASSES, MOE_ONLY_CONFIG_CLASSES
+    from boostlr.hf.files import model_class
+    from boostlr.hf.modeling_boostlr_moe import MOE_MODEL_CLASSES
+
+    configs = {**CONFIG_CLASSES, **MOE_ONLY_CONFIG_CLASSES}
+    assert set(MOE_MODEL_CLASSES) == set(configs) == set(ARCHS)
+    for arch, cls in MOE_MODEL_CLASSES.items():
+        assert cls.config_class is configs[arch] and configs[arch].arch == arch
+        m = run_config(arch, *MOE).model
+        assert model_class(m) == (MOE_REMOTE_CODE_FILES[-1].removesuffix(".py"), cls.__name__)
 
 
 def test_capacity_export_generates(tmp_path: Path, tokenizer_file: Path) -> None:
