@@ -1,7 +1,7 @@
 """The engine's build at dp 2 x ep 2: each rank draws only its experts' rows (equal to the
 one-device init's rows), FSDP leaves them alone, and one step's loss, every gradient and
 the gradient norm equal one device's within the fp32 noise bound once
-:func:`reduce_expert_grads` has run.
+:meth:`ParallelModel.reduce_expert_gradients` has run.
 
 The trainer does not call it yet (``parallel.ep > 1`` is refused by ``validate``): this
 checks the pieces the trainer path will be assembled from.
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.expert_parallel import is_routed_expert, reduce_expert_grads
+from boostlr.parallel.expert_parallel import is_routed_expert
 
 cpu = torch.device("cpu")
 MOE = {
@@ -48,7 +48,7 @@ def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     b = cfg.train.batch_size
     mine = slice(rank * b, (rank + 1) * b)
     loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
-    reduce_expert_grads(model, model.comms)
+    model.reduce_expert_gradients()
     ledger = model.comms.ledger.totals("ep")
     grads = {n: full_grad(p).clone() for n, p in model.named_parameters()}
     norm = model.clip_gradients(0.0)  # the norm only: each expert shard counted once

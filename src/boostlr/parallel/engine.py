@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from boostlr.config import RunConfig
 from boostlr.models.moe import MoEMLP, moe_layers
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.expert_parallel import total_grad_norm
+from boostlr.parallel.expert_parallel import reduce_expert_grads, total_grad_norm
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -110,6 +110,16 @@ class ParallelModel:
         value /= self.comms.dp.size * self.comms.tp.size
         dist.all_reduce(value)
         return value.reshape(())
+
+    def reduce_expert_gradients(self) -> None:
+        """Make every routed-expert shard's gradient the dp mean, as FSDP makes the others'.
+
+        The all-to-all's backward leaves each shard its ep group's sum; the replicas over
+        ``dp_rep`` still differ. Call once per step, after the last micro-batch's backward
+        and before :meth:`clip_gradients`; at ep 1 it issues no collective.
+        """
+        for part in self.stages:
+            reduce_expert_grads(part.model, self.comms)
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         """Clip by the L2 norm of the whole model's gradient (over tp, dp and pp).

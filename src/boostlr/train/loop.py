@@ -134,6 +134,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                     total += model.forward_backward(inputs, targets)
             phases.mark("forward/backward")
             loss = model.global_mean(total / t.grad_accum)
+            model.reduce_expert_gradients()  # ep > 1: the experts' dp_rep all-reduce
             with torch.profiler.record_function("clip_gradients"):
                 window.add(step, loss, model.clip_gradients(t.grad_clip))
             with torch.profiler.record_function("optimizer.step"):
