@@ -30,7 +30,7 @@ MOE = {
 
 def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     cfg = layout_config(arch, "auto", 1, world, 1, **MOE)
-    # Set past validate, which refuses ep > 1 until the trainer runs it.
+    # layout_config takes no parallel.ep: set it on the built config.
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=world))
     model = ParallelModel.build(cfg, cpu)
     ref = build_model(cfg.model, seed=cfg.train.seed)

@@ -27,7 +27,7 @@ MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}
 
 def _cfg(dp: int, ep: int):
     cfg = layout_config("cola", "auto", 1, dp, 1, **MOE)
-    # Set past validate, which refuses ep > 1 until the trainer runs it.
+    # layout_config takes no parallel.ep: set it on the built config.
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
 
 

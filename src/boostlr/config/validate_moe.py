@@ -126,10 +126,6 @@ def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
             f"parallel.ep {p.ep} runs the dropless dispatch only: drop --model.moe_capacity "
             f"({m.moe_capacity})"
         )
-    raise ConfigError(
-        f"parallel.ep {p.ep} is not wired into the trainer yet (the model's expert-parallel "
-        "dispatch is; issue 38): run with --parallel.ep 1"
-    )
 
 
 def refuse_moe(m: ModelConfig, what: str, missing: str) -> None:

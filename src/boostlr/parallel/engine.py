@@ -19,7 +19,11 @@ from torch.distributed.fsdp import FSDPModule
 from boostlr.config import RunConfig
 from boostlr.models.moe import MoEMLP, moe_layers
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.expert_parallel import reduce_expert_grads, total_grad_norm
+from boostlr.parallel.expert_parallel import (
+    clip_grads_with_norm,
+    reduce_expert_grads,
+    total_grad_norm,
+)
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -139,7 +143,7 @@ class ParallelModel:
             dist.all_reduce(square, group=self.comms.pp.group)
             norm = square.sqrt().reshape(())
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            clip_grads_with_norm(params, max_norm, norm)
         return norm
 
     # ------------------------------------------------------------------ evaluation
@@ -186,13 +190,17 @@ class ParallelModel:
     # ------------------------------------------------------------------ metrics
 
     def step_metrics(self) -> dict[str, int]:
-        """This rank's traffic in the step: ``comm_tp_*``, ``comm_dp_bytes``, ``comm_pp_bytes``."""
+        """This rank's traffic in the step: ``comm_tp_*``, ``comm_dp_bytes``, ``comm_pp_bytes``
+        and, at ep > 1 only (rows without experts keep their keys), ``comm_ep_bytes``."""
         ledger = self.comms.ledger
-        return {
+        row = {
             **ledger.step_metrics("comm_tp", group="tp"),
             "comm_dp_bytes": ledger.totals("dp")["bytes"],
             "comm_pp_bytes": ledger.totals("pp")["bytes"],
         }
+        if self.comms.ep.size > 1:
+            row["comm_ep_bytes"] = ledger.totals("ep")["bytes"]
+        return row
 
     def moe_layers(self) -> list[MoEMLP]:
         """This rank's MoE layers, their balance loss's gradient scaled as the LM loss is.
