@@ -3,8 +3,9 @@
 dp 2 x ep 2 trains as dp 2 at ep 1 (the same global batch from the same weights: the first
 loss to fp32 reduction order, the curve as the dp tests allow); its rows carry the ep traffic
 and dense / ep 1 rows keep their keys; a resume at the same ep is bitwise; a checkpoint saved
-at ep 2 holds each expert shard once, written by its owner, and resumes at ep 1 and at
-ep 4 (dp 4) with the next step's loss equal to fp32 noise (DCP reshards the expert dim).
+at ep 2 holds each expert shard once, written by its owner, and resumes at ep 1, at ep 4
+(dp 4) and at dp 4 x ep 2 (two replicas of each shard) with the next step's loss equal to
+fp32 noise (DCP reshards the expert dim).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def ep_config(data: Path, dp: int, ep: int, **extra: object):
     return tiny_run_config(data, **{**MOE, **layout, **extra})
 
 
+def grad_norm(run: Path, step: int) -> float:
+    return next(r["grad_norm"] for r in read_rows(run) if r.get("step") == step and "loss" in r)
+
+
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """dp 2 at ep 1 and at ep 2, and the dense model at dp 2, trained by the real trainer."""
@@ -56,6 +61,8 @@ def test_dp2_ep2_trains_as_dp2_and_reports_ep_traffic(runs: dict[str, Path]) -> 
     for step in dense:
         assert abs(ep[step] - dense[step]) <= CURVE_TOL * dense[step], (step, ep, dense)
     assert ep[6] < ep[1]
+    norm, norm_ref = grad_norm(runs["ep2"], 1), grad_norm(runs["ep1"], 1)
+    assert abs(norm - norm_ref) <= LOSS_TOL * norm_ref, (norm, norm_ref)  # the experts' dp mean
     rows = [r for r in read_rows(runs["ep2"]) if "loss" in r]
     assert all(r["comm_ep_bytes"] > 0 and r["comm_ep_time_s"] > 0 for r in rows)
     plain = [r for r in read_rows(runs["ep1"]) if "loss" in r]
@@ -91,7 +98,7 @@ def test_ep2_resumes_bitwise(runs: dict[str, Path], tmp_path: Path) -> None:
     assert train_rows(again) == train_rows(runs["ep2"])
 
 
-@pytest.mark.parametrize(("dp", "ep"), [(2, 1), (4, 4)])
+@pytest.mark.parametrize(("dp", "ep"), [(2, 1), (4, 4), (4, 2)])
 def test_an_ep2_checkpoint_resumes_at_another_ep(
     runs: dict[str, Path], tmp_path: Path, dp: int, ep: int
 ) -> None:
@@ -104,4 +111,6 @@ def test_an_ep2_checkpoint_resumes_at_another_ep(
     expected, got = train_rows(runs["ep2"]), train_rows(target)
     assert all(got[s] == expected[s] for s in (1, 2, 3))  # kept from the source
     assert abs(got[4] - expected[4]) <= LOSS_TOL * expected[4], (got, expected)
+    norm, norm_ref = (grad_norm(run, 4) for run in (target, runs["ep2"]))
+    assert abs(norm - norm_ref) <= LOSS_TOL * norm_ref, (norm, norm_ref)  # every gradient's
     assert abs(got[5] - expected[5]) <= STEP2_TOL * expected[5], (got, expected)
