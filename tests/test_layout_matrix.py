@@ -69,11 +69,11 @@ LOSS_TOL = 1e-5  # fp32: |loss - loss_ref| / |loss_ref| from identical weights
 BF16_LOSS_TOL = 2.0**-8
 
 
-# MoE rows (routed experts, dropless): (label, dp, ep) x MOE_ARCHS x DTYPES. ``ep`` is carved
+# MoE rows (routed experts, dropless): (label, pp, dp, ep) x MOE_ARCHS x DTYPES. ``ep`` is carved
 # out of dp; the experts' gradients take the trainer's rule (reduce_expert_gradients).
 MOE_LAYOUTS = {
-    2: [("moe dp2", 2, 1), ("moe dp2ep2", 2, 2)],
-    4: [("moe dp4ep2", 4, 2), ("moe dp4ep4", 4, 4)],
+    2: [("moe dp2", 1, 2, 1), ("moe dp2ep2", 1, 2, 2), ("moe pp2", 2, 1, 1)],
+    4: [("moe dp4ep2", 1, 4, 2), ("moe dp4ep4", 1, 4, 4), ("moe pp2dp2ep2", 2, 2, 2)],
 }
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}
 MOE_ARCHS = [("cola", {}), ("full", {"model.moe_shared": 1, "model.moe_balance": "aux"})]
@@ -81,11 +81,11 @@ MOE_ARCHS = [("cola", {}), ("full", {"model.moe_shared": 1, "model.moe_balance":
 
 def moe_cases(world: int) -> list[tuple[str, object]]:
     cases = []
-    for (name, dp, ep), (arch, extra), dtype in itertools.product(
+    for (name, pp, dp, ep), (arch, extra), dtype in itertools.product(
         MOE_LAYOUTS[world], MOE_ARCHS, DTYPES
     ):
         keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
-        cases.append((f"{name} {arch} {dtype}", layout_config(arch, "auto", 1, dp, 1, **keys)))
+        cases.append((f"{name} {arch} {dtype}", layout_config(arch, "auto", pp, dp, 1, **keys)))
     return cases
 
 
@@ -111,6 +111,7 @@ def _exact(ref: torch.nn.Module, inputs, targets) -> tuple[float, dict[str, torc
 def follow(cfg, steps: int) -> dict:
     """``steps`` clipped AdamW steps of the layout, each against one device (same dtype)."""
     model = ParallelModel.build(cfg, torch.device("cpu"))
+    model.moe_layers()  # as the trainer: the balance loss scaled as the LM loss (if any)
     opt = build_optimizer(model.parameters(), cfg.train, fused=False)
     ref = build_model(cfg.model, seed=cfg.train.seed)
     ref_params = dict(ref.named_parameters())

@@ -114,3 +114,24 @@ def test_an_ep2_checkpoint_resumes_at_another_ep(
     norm, norm_ref = (grad_norm(run, 4) for run in (target, runs["ep2"]))
     assert abs(norm - norm_ref) <= LOSS_TOL * norm_ref, (norm, norm_ref)  # every gradient's
     assert abs(got[5] - expected[5]) <= STEP2_TOL * expected[5], (got, expected)
+
+
+def test_pp2_dp2_ep2_trains_as_dp2_with_every_stages_moe_keys(
+    runs: dict[str, Path], small_dataset: Path, tmp_path: Path
+) -> None:
+    """A pipeline of MoE stages: the first loss and gradient norm equal dp 2's, and rank 0's
+    rows carry every stage's MoE layers (summed over pp), the later stage's too."""
+    run = tmp_path / "pp2"
+    trainer.train(ep_config(small_dataset, 2, 2, **{"parallel.pp": 2}), run, console=False)
+    got, expected = train_rows(run), train_rows(runs["ep1"])
+    assert abs(got[1] - expected[1]) <= LOSS_TOL * expected[1], (got, expected)
+    norm, norm_ref = grad_norm(run, 1), grad_norm(runs["ep1"], 1)
+    assert abs(norm - norm_ref) <= LOSS_TOL * norm_ref, (norm, norm_ref)
+    for step in expected:
+        assert abs(got[step] - expected[step]) <= CURVE_TOL * expected[step], (step, got)
+    rows = [r for r in read_rows(run) if "loss" in r]
+    ref_rows = [r for r in read_rows(runs["ep1"]) if "loss" in r]
+    moe_keys = {k for k in ref_rows[0] if k.startswith("moe_")}
+    assert {"moe_load/0", "moe_load/1", "moe_bias_spread"} <= moe_keys
+    assert all(moe_keys <= set(r) and r["comm_pp_bytes"] > 0 for r in rows)
+    assert rows[0]["moe_load/1"] == pytest.approx(ref_rows[0]["moe_load/1"], rel=1e-6)

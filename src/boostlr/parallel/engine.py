@@ -210,8 +210,10 @@ class ParallelModel:
         gradient is that of one batch of all its micro-batches.
         """
         layers = [layer for part in self.stages for layer in moe_layers(part.model)]
+        # A pipeline splits each micro-batch again and scales each piece's loss by 1/pieces.
+        pieces = self.cfg.parallel.pp_microbatches if self.pipeline is not None else 1
         for layer in layers:
-            layer.aux_scale = 1 / self.accum
+            layer.aux_scale = 1 / (self.accum * pieces)
         return layers
 
     def moe_metrics(self, layers: Sequence[MoEMLP]) -> dict[str, float | int]:
@@ -222,6 +224,8 @@ class ParallelModel:
         it on log steps only, on every rank. Empty for a dense model.
         """
         taken = [(layer, t) for layer in layers if (t := layer.take_stats()) is not None]
+        if self.pipeline is not None and self.cfg.model.moe_experts:
+            return self._pipeline_moe_metrics(taken)
         if not taken:
             return {}
         stats = torch.stack([t[0] for _, t in taken])  # [layers, E + 2]
@@ -242,6 +246,43 @@ class ParallelModel:
             dp=self.comms.dp.size,
             aux=any(layer.aux_coef for layer, _ in taken),
             bias=any(layer.router.balance == "bias" for layer, _ in taken),
+        )
+
+    def _pipeline_moe_metrics(
+        self, taken: list[tuple[MoEMLP, tuple[Tensor, int]]]
+    ) -> dict[str, float | int]:
+        """:meth:`moe_metrics` over every stage's layers: each rank writes its layers' rows
+        of one ``[n_layers, E + 2 | forwards, spread, held, aux, bias]`` table (zeros for
+        the others), summed over dp (the counts) then over pp, so every rank, a stage
+        without an MoE layer too, enters collectives of one shape."""
+        m, pieces = self.cfg.model, self.cfg.parallel.pp_microbatches
+        width = m.moe_experts + 2
+        counts = torch.zeros(m.n_layers, width, dtype=torch.float64, device=self.device)
+        extra = torch.zeros(m.n_layers, 5, dtype=torch.float64, device=self.device)
+        for layer, (values, forwards) in taken:
+            i = layer.layer_index
+            counts[i] = values
+            extra[i, 0], extra[i, 1], extra[i, 2] = forwards, _bias_spread(layer), 1.0
+            extra[i, 3] = float(layer.aux_coef != 0)
+            extra[i, 4] = float(layer.router.balance == "bias")
+        if self.comms.dp.size > 1:
+            dist.all_reduce(counts, group=self.comms.dp.group)
+        table = torch.cat([counts, extra], dim=1)
+        dist.all_reduce(table, group=self.comms.pp.group)
+        values = table.tolist()  # the one host read
+        held = [i for i, r in enumerate(values) if r[width + 2]]  # the MoE blocks, in order
+        rows = [values[i] for i in held]
+        if not rows:
+            return {}
+        return moe_row(
+            held,
+            [r[:width] for r in rows],
+            [round(r[width]) for r in rows],
+            [r[width + 1] for r in rows],
+            micro_batches=self.accum * pieces,
+            dp=self.comms.dp.size,
+            aux=any(r[width + 3] for r in rows),
+            bias=any(r[width + 4] for r in rows),
         )
 
 
