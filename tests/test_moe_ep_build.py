@@ -3,8 +3,8 @@ one-device init's rows), FSDP leaves them alone, and one step's loss, every grad
 the gradient norm equal one device's within the fp32 noise bound once
 :meth:`ParallelModel.reduce_expert_gradients` has run.
 
-The trainer does not call it yet (``parallel.ep > 1`` is refused by ``validate``): this
-checks the pieces the trainer path will be assembled from.
+The trainer's whole path (``boostlr train --parallel.ep``) is checked in
+tests/test_moe_ep_train.py; this checks the pieces it is assembled from.
 """
 
 from __future__ import annotations
