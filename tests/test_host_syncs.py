@@ -205,6 +205,27 @@ def test_moe_steps_sync_once_per_dropless_layer_and_micro_batch(
     assert_batches_take_the_planned_way(copies)
 
 
+def test_moe_ep2_steps_sync_once_per_dropless_layer_and_micro_batch(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """dp 2 x ep 2 (real gloo ranks): the all-to-all dispatch reads the exchanged counts back
+    in the same one copy per MoE layer and micro-batch; the count exchange, the payload,
+    the experts' dp_rep all-reduce and the clipping across meshes add none."""
+    moe = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
+    layout = {**moe, "parallel.dp": 2, "parallel.ep": 2, "train.grad_accum": 2}
+    run_dir = tmp_path / "run"
+    cfg = _config(small_dataset, **layout)
+    datasets = trainer.open_datasets(cfg)
+    cfg = resolve(cfg, datasets[0])
+    trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
+    per_rank = run_distributed(_rank_counts, 2, str(small_dataset), str(run_dir), layout)
+    per_step = {"tolist": cfg.model.n_layers * cfg.train.grad_accum}
+    for conversions, copies in per_rank:
+        for step in range(2, STEPS):
+            assert conversions.get(step) == per_step, (step, conversions.get(step))
+        assert_batches_take_the_planned_way(copies)
+
+
 def test_moe_metrics_are_read_on_log_steps_only(
     small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,6 +69,26 @@ LOSS_TOL = 1e-5  # fp32: |loss - loss_ref| / |loss_ref| from identical weights
 BF16_LOSS_TOL = 2.0**-8
 
 
+# MoE rows (routed experts, dropless): (label, pp, dp, ep) x MOE_ARCHS x DTYPES. ``ep`` is carved
+# out of dp; the experts' gradients take the trainer's rule (reduce_expert_gradients).
+MOE_LAYOUTS = {
+    2: [("moe dp2", 1, 2, 1), ("moe dp2ep2", 1, 2, 2), ("moe pp2", 2, 1, 1)],
+    4: [("moe dp4ep2", 1, 4, 2), ("moe dp4ep4", 1, 4, 4), ("moe pp2dp2ep2", 2, 2, 2)],
+}
+MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}
+MOE_ARCHS = [("cola", {}), ("full", {"model.moe_shared": 1, "model.moe_balance": "aux"})]
+
+
+def moe_cases(world: int) -> list[tuple[str, object]]:
+    cases = []
+    for (name, pp, dp, ep), (arch, extra), dtype in itertools.product(
+        MOE_LAYOUTS[world], MOE_ARCHS, DTYPES
+    ):
+        keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
+        cases.append((f"{name} {arch} {dtype}", layout_config(arch, "auto", pp, dp, 1, **keys)))
+    return cases
+
+
 def matrix_cases(world: int) -> list[tuple[str, object]]:
     cases = []
     for (name, pp, dp, tp, extra), (arch, strategy), dtype in itertools.product(
@@ -91,6 +111,7 @@ def _exact(ref: torch.nn.Module, inputs, targets) -> tuple[float, dict[str, torc
 def follow(cfg, steps: int) -> dict:
     """``steps`` clipped AdamW steps of the layout, each against one device (same dtype)."""
     model = ParallelModel.build(cfg, torch.device("cpu"))
+    model.moe_layers()  # as the trainer: the balance loss scaled as the LM loss (if any)
     opt = build_optimizer(model.parameters(), cfg.train, fused=False)
     ref = build_model(cfg.model, seed=cfg.train.seed)
     ref_params = dict(ref.named_parameters())
@@ -117,6 +138,7 @@ def follow(cfg, steps: int) -> dict:
         model.comms.ledger.reset()
         with autocast:
             loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
+        model.reduce_expert_gradients()  # as the trainer's step (no collective at ep 1)
         pp_bytes = model.step_metrics()["comm_pp_bytes"]
         layout64 = max(relative_error(full_grad(p), exact[n]) for n, p in model.named_parameters())
         single64 = max(relative_error(p.grad, exact[n]) for n, p in ref_params.items())
@@ -153,7 +175,13 @@ def check(label: str, cfg, report: dict) -> None:
         assert s["grad_dtypes"] == {"torch.float32"}, (label, s["grad_dtypes"])
         if bf16:
             bound = bf16_layout_bound(s["single64"])
-            assert s["layout64"] <= bound, (label, "gradients", s["layout64"], s["single64"])
+            # Routed experts under bf16: a rounding that another kernel shape makes
+            # differently can flip a near-tie token's expert (against float64 too), which
+            # moves that expert's gradient far beyond rounding; whether the one-device run
+            # flips at a step is chance. So its rows check the loss and the gradient norm
+            # here, the gradients in their fp32 rows.
+            if not cfg.model.moe_experts:
+                assert s["layout64"] <= bound, (label, "gradients", s["layout64"], s["single64"])
             assert abs(s["loss"] - s["ref_loss"]) <= BF16_LOSS_TOL * abs(s["ref_loss"]), (label, s)
             assert abs(s["norm"] - s["ref_norm"]) <= BF16_FACTOR * s["single64"] * s["ref_norm"]
         else:
@@ -186,6 +214,38 @@ def test_every_arch_and_dtype_matches_one_device(world: int) -> None:
         assert set(reports) == set(configs)
         for label, report in reports.items():
             check(label, configs[label], report)
+
+
+@pytest.mark.parametrize("world", sorted(MOE_LAYOUTS))
+def test_moe_layouts_match_one_device(world: int) -> None:
+    cases = moe_cases(world)
+    per_rank = run_distributed(run_matrix, world, cases, timeout_s=900)
+    configs = dict(cases)
+    for reports in per_rank:
+        assert set(reports) == set(configs)
+        for label, report in reports.items():
+            check(label, configs[label], report)
+
+
+MOE_REFUSED = [
+    ({"parallel.dp": 6, "parallel.ep": 3}, "must divide model.moe_experts 4"),
+    ({"parallel.dp": 3, "parallel.ep": 2}, "parallel.ep 2 must divide parallel.dp 3"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_capacity": 1.5}, "dropless dispatch only"),
+]
+
+
+@pytest.mark.parametrize(("keys", "message"), MOE_REFUSED)
+def test_moe_layouts_that_cannot_work_exit_2_in_one_line(
+    keys: dict, message: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from boostlr.cli import main
+
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--quiet", "--model.preset", "tiny"]
+    args += [f"--{k}={v}" for k, v in {**MOE, **keys}.items()]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 # (arch, strategy): the pairs the matrix leaves out because no layout can run them.

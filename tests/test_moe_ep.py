@@ -30,7 +30,6 @@ MOE = ModelConfig(arch="cola", n_layers=2, rank=8, moe_experts=4, moe_top_k=2, m
         (MOE, ParallelConfig(dp=3, ep=2), "parallel.ep 2 must divide parallel.dp 3"),
         (MOE, ParallelConfig(dp=6, ep=3), "must divide model.moe_experts 4"),
         (dataclasses.replace(MOE, moe_capacity=1.0), ParallelConfig(dp=2, ep=2), "dropless"),
-        (MOE, ParallelConfig(dp=2, ep=2), "not wired into the trainer yet"),
     ],
 )
 def test_ep_is_refused_in_one_line(model: ModelConfig, parallel: ParallelConfig, message: str):
@@ -39,9 +38,10 @@ def test_ep_is_refused_in_one_line(model: ModelConfig, parallel: ParallelConfig,
     assert "\n" not in str(err.value)
 
 
-def test_ep_one_is_accepted_and_the_expert_mesh_splits_dp() -> None:
+def test_ep_that_divides_is_accepted_and_the_expert_mesh_splits_dp() -> None:
     validate_moe(MOE, ParallelConfig(dp=2, ep=1))
     validate_moe(ModelConfig(), ParallelConfig(dp=2))
+    validate_moe(MOE, ParallelConfig(dp=4, ep=2))  # the trainer runs it
     p = ParallelConfig(pp=2, dp=4, ep=2, tp=2)
     assert expert_mesh_shape(p) == {"pp": 2, "dp_rep": 2, "ep": 2, "tp": 2}
     comms = single_process_comms()

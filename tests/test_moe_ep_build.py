@@ -1,10 +1,10 @@
 """The engine's build at dp 2 x ep 2: each rank draws only its experts' rows (equal to the
 one-device init's rows), FSDP leaves them alone, and one step's loss, every gradient and
 the gradient norm equal one device's within the fp32 noise bound once
-:func:`reduce_expert_grads` has run.
+:meth:`ParallelModel.reduce_expert_gradients` has run.
 
-The trainer does not call it yet (``parallel.ep > 1`` is refused by ``validate``): this
-checks the pieces the trainer path will be assembled from.
+The trainer's whole path (``boostlr train --parallel.ep``) is checked in
+tests/test_moe_ep_train.py; this checks the pieces it is assembled from.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.expert_parallel import is_routed_expert, reduce_expert_grads
+from boostlr.parallel.expert_parallel import is_routed_expert
 
 cpu = torch.device("cpu")
 MOE = {
@@ -30,7 +30,7 @@ MOE = {
 
 def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     cfg = layout_config(arch, "auto", 1, world, 1, **MOE)
-    # Set past validate, which refuses ep > 1 until the trainer runs it.
+    # layout_config takes no parallel.ep: set it on the built config.
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=world))
     model = ParallelModel.build(cfg, cpu)
     ref = build_model(cfg.model, seed=cfg.train.seed)
@@ -48,7 +48,7 @@ def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     b = cfg.train.batch_size
     mine = slice(rank * b, (rank + 1) * b)
     loss = model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
-    reduce_expert_grads(model, model.comms)
+    model.reduce_expert_gradients()
     ledger = model.comms.ledger.totals("ep")
     grads = {n: full_grad(p).clone() for n, p in model.named_parameters()}
     norm = model.clip_gradients(0.0)  # the norm only: each expert shard counted once

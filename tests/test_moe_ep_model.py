@@ -1,7 +1,7 @@
 """A whole MoE model with its experts spread over ep equals one device: loss and every
 gradient within the fp32 noise bound (tests/fp32_noise.py), on real gloo ranks.
 
-No FSDP here (the trainer path is not wired yet, docs/moe.md): each rank holds the whole
+No FSDP here (the trainer's path: tests/test_moe_ep_train.py): each rank holds the whole
 model but only its ep shard of the experts and runs its own slice of the batch. The rule the
 trainer must implement is what this test applies by hand: a non-expert gradient is the dp
 mean of the ranks' gradients (what FSDP's reduction gives); an expert shard's gradient is

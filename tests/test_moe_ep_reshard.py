@@ -1,7 +1,7 @@
 """Expert shards are DTensors with the global expert dimension, so DCP reshards them: a state
 saved at dp 2 x ep 2 reads back whole in one process (ep 1), and a one-device state loads
-into the ep 2 shards (each rank its rows). The trainer's resume across ep is still to be
-wired (docs/moe.md); this checks the layout it will rely on.
+into the ep 2 shards (each rank its rows). The trainer's resume across ep, which relies on
+this layout, is checked in tests/test_moe_ep_train.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}
 
 def _cfg(dp: int, ep: int):
     cfg = layout_config("cola", "auto", 1, dp, 1, **MOE)
-    # Set past validate, which refuses ep > 1 until the trainer runs it.
+    # layout_config takes no parallel.ep: set it on the built config.
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
 
 

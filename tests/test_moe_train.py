@@ -59,7 +59,6 @@ def moe_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     ("extra", "message"),
     [
         ({"parallel.tp": 2}, "not supported yet with parallel.tp > 1"),
-        ({"parallel.pp": 2}, "not supported yet with parallel.tp > 1 or parallel.pp"),
         ({"parallel.act_ckpt": "lowrank"}, "parallel.act_ckpt lowrank checkpoints BTP"),
         ({"parallel.tp_strategy": "btp"}, "not tp strategy 'btp' (even at parallel.tp 1)"),
     ],

@@ -321,7 +321,8 @@ class ParallelConfig:
     """Expert-parallel degree, carved out of ``dp`` (it must divide it, and
     ``model.moe_experts``): each group of ``ep`` consecutive dp ranks holds the routed
     experts ``E / ep`` apiece and sends each routed token to its expert's owner
-    (docs/moe.md). 1 = every rank holds every expert."""
+    (docs/moe.md). 1 = every rank holds every expert. Dropless dispatch only
+    (``model.moe_capacity 0``); step rows then add ``comm_ep_bytes`` and ``comm_ep_time_s``."""
     pp: int = 1
     """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
     (times ``pp_virtual`` under ``interleaved``)."""

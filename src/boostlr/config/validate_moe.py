@@ -82,10 +82,10 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
             f"model.rank {m.rank} exceeds model.moe_ffn_dim {m.moe_ffn_dim}, the experts' "
             "inner width: lower model.rank or raise model.moe_ffn_dim"
         )
-    if p is not None and (p.tp > 1 or p.pp > 1):
+    if p is not None and p.tp > 1:
         raise ConfigError(
-            f"model.moe_experts > 0 is not supported yet with parallel.tp > 1 or parallel.pp "
-            f"> 1 (got tp {p.tp}, pp {p.pp}): MoE runs on one device or data parallel for now"
+            f"model.moe_experts > 0 is not supported yet with parallel.tp > 1 (got tp "
+            f"{p.tp}): MoE runs on one device, data, expert and pipeline parallel for now"
         )
     if p is not None and p.strategy_for(m.arch) is not None:
         raise ConfigError(
@@ -126,10 +126,6 @@ def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
             f"parallel.ep {p.ep} runs the dropless dispatch only: drop --model.moe_capacity "
             f"({m.moe_capacity})"
         )
-    raise ConfigError(
-        f"parallel.ep {p.ep} is not wired into the trainer yet (the model's expert-parallel "
-        "dispatch is; issue 38): run with --parallel.ep 1"
-    )
 
 
 def refuse_moe(m: ModelConfig, what: str, missing: str) -> None:

@@ -19,7 +19,11 @@ from torch.distributed.fsdp import FSDPModule
 from boostlr.config import RunConfig
 from boostlr.models.moe import MoEMLP, moe_layers
 from boostlr.parallel.build import build_stages
-from boostlr.parallel.expert_parallel import total_grad_norm
+from boostlr.parallel.expert_parallel import (
+    clip_grads_with_norm,
+    reduce_expert_grads,
+    total_grad_norm,
+)
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
 from boostlr.parallel.tensor_parallel import TensorParallelModel
@@ -111,6 +115,16 @@ class ParallelModel:
         dist.all_reduce(value)
         return value.reshape(())
 
+    def reduce_expert_gradients(self) -> None:
+        """Make every routed-expert shard's gradient the dp mean, as FSDP makes the others'.
+
+        The all-to-all's backward leaves each shard its ep group's sum; the replicas over
+        ``dp_rep`` still differ. Call once per step, after the last micro-batch's backward
+        and before :meth:`clip_gradients`; at ep 1 it issues no collective.
+        """
+        for part in self.stages:
+            reduce_expert_grads(part.model, self.comms)
+
     def clip_gradients(self, max_norm: float) -> Tensor:
         """Clip by the L2 norm of the whole model's gradient (over tp, dp and pp).
 
@@ -129,7 +143,7 @@ class ParallelModel:
             dist.all_reduce(square, group=self.comms.pp.group)
             norm = square.sqrt().reshape(())
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            clip_grads_with_norm(params, max_norm, norm)
         return norm
 
     # ------------------------------------------------------------------ evaluation
@@ -176,13 +190,17 @@ class ParallelModel:
     # ------------------------------------------------------------------ metrics
 
     def step_metrics(self) -> dict[str, int]:
-        """This rank's traffic in the step: ``comm_tp_*``, ``comm_dp_bytes``, ``comm_pp_bytes``."""
+        """This rank's traffic in the step: ``comm_tp_*``, ``comm_dp_bytes``, ``comm_pp_bytes``
+        and, at ep > 1 only (rows without experts keep their keys), ``comm_ep_bytes``."""
         ledger = self.comms.ledger
-        return {
+        row = {
             **ledger.step_metrics("comm_tp", group="tp"),
             "comm_dp_bytes": ledger.totals("dp")["bytes"],
             "comm_pp_bytes": ledger.totals("pp")["bytes"],
         }
+        if self.comms.ep.size > 1:
+            row["comm_ep_bytes"] = ledger.totals("ep")["bytes"]
+        return row
 
     def moe_layers(self) -> list[MoEMLP]:
         """This rank's MoE layers, their balance loss's gradient scaled as the LM loss is.
@@ -192,8 +210,10 @@ class ParallelModel:
         gradient is that of one batch of all its micro-batches.
         """
         layers = [layer for part in self.stages for layer in moe_layers(part.model)]
+        # A pipeline splits each micro-batch again and scales each piece's loss by 1/pieces.
+        pieces = self.cfg.parallel.pp_microbatches if self.pipeline is not None else 1
         for layer in layers:
-            layer.aux_scale = 1 / self.accum
+            layer.aux_scale = 1 / (self.accum * pieces)
         return layers
 
     def moe_metrics(self, layers: Sequence[MoEMLP]) -> dict[str, float | int]:
@@ -204,6 +224,8 @@ class ParallelModel:
         it on log steps only, on every rank. Empty for a dense model.
         """
         taken = [(layer, t) for layer in layers if (t := layer.take_stats()) is not None]
+        if self.pipeline is not None and self.cfg.model.moe_experts:
+            return self._pipeline_moe_metrics(taken)
         if not taken:
             return {}
         stats = torch.stack([t[0] for _, t in taken])  # [layers, E + 2]
@@ -224,6 +246,43 @@ class ParallelModel:
             dp=self.comms.dp.size,
             aux=any(layer.aux_coef for layer, _ in taken),
             bias=any(layer.router.balance == "bias" for layer, _ in taken),
+        )
+
+    def _pipeline_moe_metrics(
+        self, taken: list[tuple[MoEMLP, tuple[Tensor, int]]]
+    ) -> dict[str, float | int]:
+        """:meth:`moe_metrics` over every stage's layers: each rank writes its layers' rows
+        of one ``[n_layers, E + 2 | forwards, spread, held, aux, bias]`` table (zeros for
+        the others), summed over dp (the counts) then over pp, so every rank, a stage
+        without an MoE layer too, enters collectives of one shape."""
+        m, pieces = self.cfg.model, self.cfg.parallel.pp_microbatches
+        width = m.moe_experts + 2
+        counts = torch.zeros(m.n_layers, width, dtype=torch.float64, device=self.device)
+        extra = torch.zeros(m.n_layers, 5, dtype=torch.float64, device=self.device)
+        for layer, (values, forwards) in taken:
+            i = layer.layer_index
+            counts[i] = values
+            extra[i, 0], extra[i, 1], extra[i, 2] = forwards, _bias_spread(layer), 1.0
+            extra[i, 3] = float(layer.aux_coef != 0)
+            extra[i, 4] = float(layer.router.balance == "bias")
+        if self.comms.dp.size > 1:
+            dist.all_reduce(counts, group=self.comms.dp.group)
+        table = torch.cat([counts, extra], dim=1)
+        dist.all_reduce(table, group=self.comms.pp.group)
+        values = table.tolist()  # the one host read
+        held = [i for i, r in enumerate(values) if r[width + 2]]  # the MoE blocks, in order
+        rows = [values[i] for i in held]
+        if not rows:
+            return {}
+        return moe_row(
+            held,
+            [r[:width] for r in rows],
+            [round(r[width]) for r in rows],
+            [r[width + 1] for r in rows],
+            micro_batches=self.accum * pieces,
+            dp=self.comms.dp.size,
+            aux=any(r[width + 3] for r in rows),
+            bias=any(r[width + 4] for r in rows),
         )
 
 

@@ -128,6 +128,24 @@ def reduce_expert_grads(model: nn.Module, comms: MeshComms) -> None:
             grad.div_(dp)
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by DTensor mesh (plain tensors together), in order."""
+    groups: dict[object, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(i)
+    return list(groups.values())
+
+
+def clip_grads_with_norm(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """``clip_grads_with_norm_`` for gradients on several meshes: one call per mesh.
+
+    The fused (foreach) scaling takes every gradient in one op, which DTensor refuses across
+    meshes; the scale factor is the same for all of them. On one mesh it is one call, as before.
+    """
+    for group in _by_mesh([p.grad for p in params]):
+        torch.nn.utils.clip_grads_with_norm_([params[i] for i in group], max_norm, norm)
+
+
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of gradients that live on several meshes (FSDP's ``dp``, the experts'
     ``ep``), as a plain 0-d tensor.
@@ -137,11 +155,8 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     ep shard's experts counted once), then those norms are. On one mesh it is that mesh's
     norm, the same value as before there were two.
     """
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm([grads[i] for i in group], 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, 2.0)

@@ -19,7 +19,7 @@ Anchor = tuple[int, float]
 def layout_of(cfg: RunConfig) -> dict:
     """The layout a checkpoint was written at (``meta.json``'s ``layout``)."""
     p = cfg.parallel
-    return {
+    layout = {
         "pp": p.pp,
         "dp": p.dp,
         "tp": p.tp,
@@ -27,6 +27,9 @@ def layout_of(cfg: RunConfig) -> dict:
         "stages_per_rank": p.virtual_stages,
         "dp_mode": p.data_parallel_mode if p.dp > 1 else None,
     }
+    if p.ep > 1:  # only then: a dense or ep 1 checkpoint's meta is what it was
+        layout["ep"] = p.ep
+    return layout
 
 
 def sharded(

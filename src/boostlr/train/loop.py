@@ -29,6 +29,7 @@ from boostlr.train.state import RunState, save
 from boostlr.train.window import Window
 
 COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_time_s
+EP_GROUPS = ("ep", "dp_rep")  # at ep > 1: comm_ep_time_s; both kept out of compute_time_s
 
 
 def metrics_row(
@@ -39,7 +40,8 @@ def metrics_row(
     loss, grad_norm = window.check(state, step)
     step_time = window.seconds_per_step()
     window.take_comm(model.comms.ledger)
-    comm = {g: window.comm.get(g, 0.0) / window.steps for g in COMM_GROUPS}
+    groups = COMM_GROUPS + (EP_GROUPS if model.comms.ep.size > 1 else ())
+    comm = {g: window.comm.get(g, 0.0) / window.steps for g in groups}
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.parallel.dp
     tokens_per_step *= cfg.data.seq_len
     flops_per_s = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / step_time
@@ -53,7 +55,7 @@ def metrics_row(
         "tokens": step * tokens_per_step,
         "flops_per_s": flops_per_s,
         **model.step_metrics(),
-        **{f"comm_{g}_time_s": comm[g] for g in COMM_GROUPS},
+        **{f"comm_{g}_time_s": comm[g] for g in groups if g != "dp_rep"},
         # CUDA FSDP streams may overlap compute: never report negative compute.
         "compute_time_s": max(0.0, step_time - sum(comm.values())),
         **memory_row(state.model.parameters(), state.optimizer, state.device, phases),
@@ -134,6 +136,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                     total += model.forward_backward(inputs, targets)
             phases.mark("forward/backward")
             loss = model.global_mean(total / t.grad_accum)
+            model.reduce_expert_gradients()  # ep > 1: the experts' dp_rep all-reduce
             with torch.profiler.record_function("clip_gradients"):
                 window.add(step, loss, model.clip_gradients(t.grad_clip))
             with torch.profiler.record_function("optimizer.step"):
