@@ -236,7 +236,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     if is_moe(m):
         # MoE blocks keep their experts' tensors instead of the dense MLP's
-        moe = moe_mlp_activation(m, tokens, a) - dense_mlp_activation(m, tokens, a)
+        moe = moe_mlp_activation(m, tokens, a, p.ep, p.dp) - dense_mlp_activation(m, tokens, a)
         n_moe = sum(moe_layer_count(m, ls) for ls, _, _ in stages)
         acts += max(0.0, moe) if p.act_ckpt != "none" else moe * n_moe * held
         out["buffers"] = float(sum(buffer_bytes(m, ls) for ls, _, _ in stages))

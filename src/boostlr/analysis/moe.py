@@ -155,6 +155,31 @@ def routing_passes(m: ModelConfig) -> tuple[int, int]:
     return 6 * e + k * (2 * w_d + 5 * w_c), 4 * e + k * (2 * w_d + 6 * w_c)
 
 
+def expert_params(m: ModelConfig) -> int:
+    """Parameters of one routed expert: B_g, B_u, A_d (latent), or a whole MLP (hidden)."""
+    d, r, f = m.dim, m.rank or 0, m.moe_ffn_dim or 0
+    if latent_dispatch(m):
+        return 3 * r * f
+    return 3 * ((d + f) * r if m.lowrank else d * f)
+
+
+def expert_weight_casts(m: ModelConfig, act: int, ep: int, dp: int) -> int:
+    """Bytes of the routed experts' bf16 weight copies one MoE layer's forward keeps.
+
+    Each expert's GEMMs read their weight through ``models.params.local``, which under
+    autocast casts the whole local ``[E/ep, ...]`` stack; the expert indexes its own slice of
+    that copy and its GEMMs keep the slice, so the copy lives until the backward: ``E/ep``
+    copies of the stack per layer, wherever the weights are not already bf16 (at ``ep > 1``
+    FSDP does not gather them; at dp 1 nothing does, and ``bf16_weights`` counts one copy).
+    At ``ep = 1`` under FSDP its mixed precision hands them over in bf16: no cast.
+    """
+    if act >= FP32 or (ep == 1 and dp > 1):
+        return 0
+    n = m.moe_experts // ep
+    copies = n * n - (n if dp == 1 else 0)
+    return act * copies * expert_params(m)
+
+
 def expert_weights_per_layer(m: ModelConfig) -> int:
     """Stacked routed-expert weights of one MoE layer (one all-reduce each over dp_rep)."""
     return 6 if not latent_dispatch(m) and m.lowrank else 3
@@ -171,7 +196,7 @@ def dense_mlp_activation(m: ModelConfig, tokens: int, act: int) -> float:
     return float(out)
 
 
-def moe_mlp_activation(m: ModelConfig, tokens: int, act: int) -> float:
+def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: int = 1) -> float:
     """Bytes autograd keeps for one MoE MLP and micro-batch of ``tokens`` on one rank
     (an estimate, by the tensors its operators save), receiving ``T·k`` copies (balanced
     routing; at ep 1 exactly so).
@@ -179,23 +204,33 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int) -> float:
     The router: fp32 scores over E (three ``[T, E]``: scores, normalised, the balance
     loss's), the top-k indices and weights and the copies' order. ``latent``: A_g's and
     A_u's outputs (σ's inputs; LaX: its crossing too), each copy's ``2r`` input at its
-    expert, the expert's products over ``f_e`` and ``A_d``'s output, the combined ``r``
-    per copy (kept by the weighting) and B_d's input. ``hidden``: each copy's d-wide input
-    (fp32, or the two bf16 casts of it), per linear A's and σ's outputs, the products,
-    the d-wide result per copy. Shared experts: the same on every token.
+    expert, the expert's products over ``f_e`` and ``A_d``'s output, each copy's ``r``-wide
+    result twice (kept by the weighting; the weighted one by the summing ``index_add``) and
+    B_d's input. ``hidden``: each copy's d-wide input (fp32, or the two bf16 casts of it),
+    per linear A's and σ's outputs, the products, the d-wide result per copy twice. Shared
+    experts: the same on every token. Under bf16
+    autocast (``act`` 2) also the router's fp32 input (the norm's output, which the dense
+    block keeps only as its GEMM cast), under ``latent`` a second cast of it (A_g and A_u
+    are two GEMMs, the dense block's grouped one), and the routed experts' weight casts
+    (:func:`expert_weight_casts`).
     """
     T, k, r, f, d = tokens, m.moe_top_k, m.rank or 0, m.moe_ffn_dim or 0, m.dim
     copies, s = T * k, m.moe_shared
     prod = 4 if m.mlp_form == "swiglu" else 3
     sigma = 1 if arch_spec(m.arch).latent_activation else 0
     out = 3 * T * m.moe_experts * FP32 + copies * (2 * COUNT_BYTES + 2 * FP32)
+    if act < FP32:
+        out += T * d * FP32 + (T * d * act if latent_dispatch(m) else 0)
+        out += expert_weight_casts(m, act, ep, dp)
     if latent_dispatch(m):
         cross = 2 * T * r * act if arch_spec(m.arch).crossing else 0
         out += 2 * T * r * act * sigma + cross + (2 * T * r * act if s else 0)
         per_row = (f * prod + r * sigma) * act
-        out += copies * (2 * r * act + per_row + r * act) + s * T * per_row + T * r * act
+        out += copies * (2 * r * act + per_row + 2 * r * act) + s * T * per_row + T * r * act
         return float(out)
     lat = 3 * r * (1 + sigma) if m.lowrank else 0
     per_row = (f * prod + lat) * act
-    out += copies * (d * FP32 + per_row + d * act) + s * T * per_row
+    out += copies * (d * FP32 + per_row + 2 * d * act) + s * T * per_row
+    if s and act < FP32:  # the shared experts' bf16 casts of the token (broadcast GEMMs)
+        out += 3 * T * d * act
     return float(out)
