@@ -68,6 +68,7 @@ from boostlr.analysis.moe import (
     is_moe,
     moe_layer_count,
     moe_mlp_activation,
+    moe_summary,
 )
 from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
@@ -388,6 +389,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             for g in gemms
         ],
         flops_per_rank=steps * mb * slowest.flops,
+        moe=moe_summary(m, p, comm_metrics(cfg)["comm_ep_bytes"]) if is_moe(m) else None,
     )
 
 

@@ -234,3 +234,19 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
     if s and act < FP32:  # the shared experts' bf16 casts of the token (broadcast GEMMs)
         out += 3 * T * d * act
     return float(out)
+
+
+def moe_summary(m: ModelConfig, p: ParallelConfig, ep_bytes: int) -> dict[str, object]:
+    """An MoE prediction's routing figures (``boostlr plan``'s ``moe`` field and columns)."""
+    return {
+        "experts": m.moe_experts,
+        "top_k": m.moe_top_k,
+        "shared": m.moe_shared,
+        "ffn_dim": m.moe_ffn_dim,
+        "dispatch": moe_dispatch_of(m),
+        "ep": p.ep,
+        "elements_per_copy": elements_per_copy(m),
+        "ep_bytes_per_step": ep_bytes,
+        "routing": "balanced (a rank's ep bytes and expert activations assume T·k/E copies "
+        "per expert; exact over an ep group whatever the routing)",
+    }
