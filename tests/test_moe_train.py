@@ -1,9 +1,10 @@
 """The MoE MLP wired into the model, the trainer and every command that reads a config.
 
 What runs (one device and data parallel) trains as one device does and resumes bit for bit;
-what does not run yet (tp, pp, BTP's region checkpointing, the cost model, the HF export,
-an import into experts) is refused in one line. tests/test_moe_model.py checks the layer's
-math; tests/test_host_syncs.py counts its one device-to-host copy per layer.
+what does not run yet (tp, pp, BTP's region checkpointing, the cost model, an import of
+a LLaMA into experts) is refused in one line. tests/test_moe_model.py checks the layer's
+math; tests/test_host_syncs.py counts its one device-to-host copy per layer;
+tests/test_moe_export.py the HF export.
 """
 
 from __future__ import annotations
@@ -180,8 +181,8 @@ def test_moe_run_resumes_bitwise_and_evaluates(
     )
     text = generate(model, tokenizer, "def ", max_new_tokens=4, temperature=0.0)
     assert text.startswith("def ") and len(text) > 4
-    with pytest.raises(ConfigError, match="boostlr export does not support MoE"):
-        export_checkpoint(moe_run, tmp_path / "export")
+    exported, _ = load_pretrained(export_checkpoint(moe_run, tmp_path / "export"))
+    assert torch.equal(dict(exported.named_buffers())[BIAS], a[BIAS])
 
 
 @pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])

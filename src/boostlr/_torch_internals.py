@@ -75,8 +75,12 @@ def unflatten_mesh(
 ) -> DeviceMesh:
     """``mesh`` with dim ``dim`` split into ``names`` of ``sizes`` (the last fastest): the
     same ranks, new groups, one root mesh (``DeviceMesh._unflatten``; the expert mesh of
-    :mod:`boostlr.parallel.mesh`). Canary: tests/test_moe_ep.py checks the groups' ranks."""
-    return mesh._unflatten(dim, sizes, names, backend_override=backend_override)
+    :mod:`boostlr.parallel.mesh`). Canary: tests/test_moe_ep.py checks the groups' ranks.
+
+    The dim goes by index: torch 2.11's ``_unflatten`` refuses every dim given by name (its
+    name check is inverted there)."""
+    index = list(mesh.mesh_dim_names or ()).index(dim)
+    return mesh._unflatten(index, sizes, names, backend_override=backend_override)
 
 
 def set_group_timeout(options: dist.ProcessGroup.Options, timeout: timedelta) -> None:

@@ -7,9 +7,11 @@ memory of its largest tensor, not of the model. An export directory holds
 with our model config), ``tokenizer.json`` with ``tokenizer_config.json`` and
 ``special_tokens_map.json``. ``arch = "full"`` is a plain ``LlamaForCausalLM``; a low-rank
 arch keeps HF naming for its factors (``q_proj.down.weight`` / ``q_proj.up.weight``) and is a
-remote-code model of its own ``model_type`` (``configuration_boostlr.py`` and
-``modeling_boostlr.py`` are copied in, see :mod:`boostlr.hf`), so transformers loads it with
-``trust_remote_code=True`` and refuses it without. :func:`load_pretrained` loads any of them.
+remote-code model of its own ``model_type`` (the remote-code modules are copied in, see
+:mod:`boostlr.hf`), so transformers loads it with ``trust_remote_code=True`` and refuses it
+without. A mixture-of-experts model of any arch is a remote-code model too (an HF LLaMA has
+no experts): its router, experts and balance bias keep boostlr's names. :func:`load_pretrained`
+loads any of them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig, RunConfig, model_config_from_dict, to_dict
-from boostlr.config.validate_moe import refuse_moe
 from boostlr.data.tokenizer import load_tokenizer
 from boostlr.errors import BoostlrError, CheckpointError
 from boostlr.fsutil import replace_dir
@@ -80,12 +81,13 @@ def hf_config(
 ) -> dict[str, Any]:
     """HF ``config.json`` for ``model_cfg``, plus our config under ``"boostlr"``.
 
-    ``arch = "full"`` is an HF LLaMA config; a low-rank arch gets its own ``model_type`` and
-    an ``auto_map`` to the remote-code files (:func:`boostlr.hf.files.lowrank_config`). The
+    A dense ``arch = "full"`` is an HF LLaMA config; a low-rank arch or an MoE model gets its
+    own ``model_type`` and an ``auto_map`` to the remote-code files
+    (:func:`boostlr.hf.files.lowrank_config`). The
     ``"boostlr"`` section is what :func:`load_pretrained` rebuilds the model from.
     """
     m = model_cfg
-    if m.lowrank:
+    if remote_code(m):
         tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
         return {**lowrank_config(m, tokens), "boostlr": _model_dict(m)}
     return {
@@ -114,8 +116,12 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     cfg = _checkpoint_model_config(ckpt.meta, ckpt.path)
-    refuse_moe(cfg, "boostlr export", "the HF remote code has no router or experts")
     if merge_svd:
+        if cfg.moe_experts:
+            raise BoostlrError(
+                "--merge-svd: an MoE model has a router and experts, which a LLaMA has no "
+                "place for: export without --merge-svd (a transformers remote-code model)"
+            )
         check_mergeable(cfg)
     tokenizer_src = ckpt.path / TOKENIZER_FILE
     if not tokenizer_src.is_file():
@@ -145,8 +151,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, merge_svd: bool = False) 
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         shutil.copyfile(tokenizer_src, tmp / TOKENIZER_FILE)
         write_tokenizer_files(tmp, tokenizer, cfg.max_seq_len)
-        if cfg.lowrank:
-            copy_remote_code(tmp)
+        if remote_code(cfg):
+            copy_remote_code(tmp, moe=cfg.moe_experts > 0)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,6 +199,12 @@ def load_pretrained(path: Path, device: torch.device | str = "cpu") -> tuple[Lla
     zero_meta_buffers(model, "cpu")  # an MoE router's load counts (not saved)
     tokenizer = load_tokenizer(source / TOKENIZER_FILE)
     return model.to(device).eval(), tokenizer
+
+
+def remote_code(m: ModelConfig) -> bool:
+    """Whether the export is a remote-code model: low-rank factors or experts, which an HF
+    LLaMA has neither of."""
+    return m.lowrank or m.moe_experts > 0
 
 
 def _model_dict(model_cfg: ModelConfig) -> dict[str, Any]:

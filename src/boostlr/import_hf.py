@@ -18,7 +18,9 @@ model is a warm start that needs training to recover. The MLP keeps the dense mo
 
 boostlr's own low-rank exports (``model_type boostlr_<arch>``, see :mod:`boostlr.hf`) come
 back as they are: the model config is the export's ``"boostlr"`` section and the factors are
-copied, not refactorised, so an export -> import round trip continues the same model.
+copied, not refactorised, so an export -> import round trip continues the same model. That
+holds for their MoE exports too (router, experts and the balance bias, which the checkpoint
+keeps beside the parameters as the trainer's does); a LLaMA has no experts to import into.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.export import LM_HEAD, from_hf_state_dict
 from boostlr.fsutil import replace_dir
 from boostlr.models.llama import ATTN_LINEARS, LlamaModel
+from boostlr.models.moe import checkpointed_buffers, zero_meta_buffers
 from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from boostlr.rundir.payload import checkpoint_payload
 from boostlr.rundir.writer import CheckpointWriter
@@ -268,6 +271,7 @@ def build_imported_model(cfg: RunConfig, state: dict[str, torch.Tensor]) -> Llam
             f"the weights do not match config.json (missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}): not a LLaMA checkpoint"
         )
+    zero_meta_buffers(model, "cpu")  # an MoE router's load counts (not saved)
     return model
 
 
@@ -305,7 +309,14 @@ def import_hf(src: Path, out: Path, overrides: list[tuple[str, str]] | None = No
     info = import_info(src, cfg, errors)
     start = {"epoch": 0, "windows": 0, "position": 0}
     payload = checkpoint_payload(
-        cfg, list(model.named_parameters()), optimizer, 0, start, None, {"import": info}
+        cfg,
+        list(model.named_parameters()),
+        optimizer,
+        0,
+        start,
+        None,
+        {"import": info},
+        buffers=checkpointed_buffers(model),
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)

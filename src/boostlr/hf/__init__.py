@@ -1,8 +1,9 @@
 """Hugging Face side of exports: the remote-code model files and what an export writes.
 
 ``configuration_boostlr.py`` and ``modeling_boostlr.py`` import torch and transformers only
-and are copied verbatim into each low-rank export; importing this package imports neither
-(transformers stays an optional dependency of boostlr).
+and are copied verbatim into each low-rank or MoE export, an MoE export also getting
+``modeling_boostlr_moe.py``; importing this package imports neither (transformers stays an
+optional dependency of boostlr).
 """
 
 from pathlib import Path
@@ -10,4 +11,7 @@ from pathlib import Path
 HF_DIR = Path(__file__).parent
 CONFIG_MODULE = "configuration_boostlr"
 MODELING_MODULE = "modeling_boostlr"
+MOE_MODULE = "modeling_boostlr_moe"
 REMOTE_CODE_FILES = (f"{CONFIG_MODULE}.py", f"{MODELING_MODULE}.py")
+#: What an MoE export carries: the files above and the MoE model, which imports them.
+MOE_REMOTE_CODE_FILES = (*REMOTE_CODE_FILES, f"{MOE_MODULE}.py")

@@ -5,7 +5,9 @@
 It imports transformers only: an export loads without boostlr installed. Each arch has its
 own ``model_type`` (``boostlr_svd``, ``boostlr_cola``, ``boostlr_lax``) so that a load
 without remote code fails with transformers' "unknown model type" error instead of building
-a dense LLaMA with random projections.
+a dense LLaMA with random projections. A mixture-of-experts model of any arch (``moe_*``
+fields, written only for MoE models) is one of these too; a dense-linear (``full``) MoE model
+is ``boostlr_full``, since an HF LLaMA has no experts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from transformers import PretrainedConfig
 
 MLP_FORMS = ("swiglu", "lowrank-only")
 LAX_GATES = ("factored", "full")
+MOE_DISPATCHES = ("latent", "hidden")
+MOE_BALANCES = ("bias", "aux")
 
 
 class BoostlrConfig(PretrainedConfig):
@@ -25,10 +29,23 @@ class BoostlrConfig(PretrainedConfig):
     ``mlp_form`` is ``swiglu`` (``silu(g) ⊙ u``) or ``lowrank-only`` (``g ⊙ u``, CoLA's
     MLP, whose nonlinearity sits inside the linears); ``lax_gate`` and ``lax_gate_rank``
     shape LaX's latent crossing between blocks.
+
+    ``moe_experts > 0`` makes the MLP of every block from ``moe_dense_layers`` on a mixture
+    of experts (boostlr's docs/moe.md): ``moe_top_k`` of ``moe_experts`` routed experts plus
+    ``moe_shared`` shared ones, each of inner width ``moe_ffn_dim``; ``moe_dispatch`` is
+    ``latent`` (shared outer factors, low-rank archs) or ``hidden`` (whole-MLP experts);
+    ``moe_balance`` picks the router (``bias``: sigmoid scores and a selection bias,
+    ``aux``: softmax); ``moe_capacity > 0`` drops routed copies past each expert's capacity,
+    as boostlr's own forward does.
     """
 
     model_type = "boostlr"
-    arch = ""  # set by each arch's subclass; a class attribute, never serialised
+    # Set by each arch's subclass; class attributes, never serialised. ``lowrank``: factored
+    # linears; ``latent_activation``: SiLU between the factors; ``crossing``: LaX's latents.
+    arch = ""
+    lowrank = True
+    latent_activation = False
+    crossing = False
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     def __init__(
@@ -40,7 +57,7 @@ class BoostlrConfig(PretrainedConfig):
         num_attention_heads: int = 8,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
-        rank: int = 128,
+        rank: int | None = 128,
         mlp_form: str = "lowrank-only",
         lax_gate: str = "factored",
         lax_gate_rank: int | None = None,
@@ -50,12 +67,28 @@ class BoostlrConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_shared: int = 0,
+        moe_ffn_dim: int | None = None,
+        moe_dense_layers: int = 0,
+        moe_dispatch: str = "latent",
+        moe_balance: str = "bias",
+        moe_capacity: float = 0.0,
         **kwargs: Any,
     ):
         if mlp_form not in MLP_FORMS:
             raise ValueError(f"mlp_form must be one of {MLP_FORMS}, got {mlp_form!r}")
         if lax_gate not in LAX_GATES:
             raise ValueError(f"lax_gate must be one of {LAX_GATES}, got {lax_gate!r}")
+        if moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCHES}, got {moe_dispatch!r}")
+        if moe_balance not in MOE_BALANCES:
+            raise ValueError(f"moe_balance must be one of {MOE_BALANCES}, got {moe_balance!r}")
+        if moe_experts and not 1 <= moe_top_k <= moe_experts:
+            raise ValueError(f"moe_top_k must be in [1, moe_experts], got {moe_top_k}")
+        if moe_experts and moe_ffn_dim is None:
+            raise ValueError("moe_ffn_dim is required with moe_experts > 0")
         if hidden_size % num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         self.vocab_size = vocab_size
@@ -68,12 +101,20 @@ class BoostlrConfig(PretrainedConfig):
         self.rank = rank
         self.mlp_form = mlp_form
         self.lax_gate = lax_gate
-        self.lax_gate_rank = lax_gate_rank or max(1, rank // 4)
+        self.lax_gate_rank = lax_gate_rank or (max(1, rank // 4) if rank else None)
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.use_cache = use_cache
+        self.moe_experts = moe_experts
+        self.moe_top_k = moe_top_k
+        self.moe_shared = moe_shared
+        self.moe_ffn_dim = moe_ffn_dim
+        self.moe_dense_layers = moe_dense_layers
+        self.moe_dispatch = moe_dispatch
+        self.moe_balance = moe_balance
+        self.moe_capacity = moe_capacity
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
@@ -92,6 +133,7 @@ class BoostlrColaConfig(BoostlrConfig):
 
     model_type = "boostlr_cola"
     arch = "cola"
+    latent_activation = True
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -102,9 +144,27 @@ class BoostlrLaxConfig(BoostlrConfig):
 
     model_type = "boostlr_lax"
     arch = "lax"
+    latent_activation = True
+    crossing = True
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
 
 
+class BoostlrFullConfig(BoostlrConfig):
+    """Dense linears ``W x`` with MoE MLPs (a dense ``full`` model exports as an HF LLaMA)."""
+
+    model_type = "boostlr_full"
+    arch = "full"
+    lowrank = False
+
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("rank", None)
+        kwargs.setdefault("mlp_form", "swiglu")
+        super().__init__(**kwargs)
+
+
 CONFIG_CLASSES = {"svd": BoostlrSvdConfig, "cola": BoostlrColaConfig, "lax": BoostlrLaxConfig}
+#: The remote-code config of a ``full`` MoE model (not in ``CONFIG_CLASSES``, the low-rank
+#: archs' table: a dense ``full`` model is an HF LLaMA).
+MOE_ONLY_CONFIG_CLASSES = {"full": BoostlrFullConfig}

@@ -1,8 +1,8 @@
 """What an export writes besides the weights: HF config, tokenizer files, remote code.
 
-A low-rank export is a transformers remote-code model: ``config.json`` names its own
-``model_type`` (``boostlr_<arch>``) and an ``auto_map`` pointing at the two module files
-copied beside it. Every export, dense included, gets ``tokenizer_config.json`` and
+A low-rank or MoE export is a transformers remote-code model: ``config.json`` names its own
+``model_type`` (``boostlr_<arch>``) and an ``auto_map`` pointing at the module files copied
+beside it. Every export, dense included, gets ``tokenizer_config.json`` and
 ``special_tokens_map.json`` so ``AutoTokenizer`` knows the end-of-text token: without them
 it has no eos/bos and lm-evaluation-harness fails on the first rolling loglikelihood.
 """
@@ -17,8 +17,16 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from boostlr.config import ModelConfig
+from boostlr.config.validate_moe import moe_dispatch_of
 from boostlr.data.tokenizer import eos_id
-from boostlr.hf import CONFIG_MODULE, HF_DIR, MODELING_MODULE, REMOTE_CODE_FILES
+from boostlr.hf import (
+    CONFIG_MODULE,
+    HF_DIR,
+    MODELING_MODULE,
+    MOE_MODULE,
+    MOE_REMOTE_CODE_FILES,
+    REMOTE_CODE_FILES,
+)
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
@@ -30,6 +38,15 @@ _BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>")
 def class_prefix(arch: str) -> str:
     """``cola`` -> ``BoostlrCola``: the class names of each arch in the remote-code files."""
     return "Boostlr" + arch.capitalize()
+
+
+def model_class(m: ModelConfig) -> tuple[str, str]:
+    """``(module, class)`` of the remote-code model: ``BoostlrColaForCausalLM`` in
+    ``modeling_boostlr``, or an MoE model's ``BoostlrColaMoeForCausalLM`` in its own module."""
+    prefix = class_prefix(m.arch)
+    if m.moe_experts:
+        return MOE_MODULE, f"{prefix}MoeForCausalLM"
+    return MODELING_MODULE, f"{prefix}ForCausalLM"
 
 
 def llama_fields(m: ModelConfig) -> dict[str, Any]:
@@ -50,24 +67,44 @@ def llama_fields(m: ModelConfig) -> dict[str, Any]:
 
 
 def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
-    """``config.json`` of a low-rank export: HF field names, our extra fields, ``auto_map``."""
+    """``config.json`` of a remote-code export (low-rank, or MoE of any arch): HF field
+    names, our extra fields, ``auto_map``; the ``moe_*`` fields only for an MoE model, so a
+    dense model's file is what it was before MoE existed."""
     prefix = class_prefix(m.arch)
-    return {
-        "architectures": [f"{prefix}ForCausalLM"],
+    module, model = model_class(m)
+    factors = {"rank": m.rank} if m.lowrank else {}
+    crossing = {"lax_gate": m.lax_gate, "lax_gate_rank": m.lax_gate_rank} if m.lowrank else {}
+    config = {
+        "architectures": [model],
         "model_type": f"boostlr_{m.arch}",
         "auto_map": {
             "AutoConfig": f"{CONFIG_MODULE}.{prefix}Config",
-            "AutoModelForCausalLM": f"{MODELING_MODULE}.{prefix}ForCausalLM",
+            "AutoModelForCausalLM": f"{module}.{model}",
         },
         **llama_fields(m),
-        "rank": m.rank,
+        **factors,
         "mlp_form": m.mlp_form,
-        "lax_gate": m.lax_gate,
-        "lax_gate_rank": m.lax_gate_rank,
+        **crossing,
         "torch_dtype": "float32",
         "use_cache": True,
         "bos_token_id": tokens["bos_token_id"],
         "eos_token_id": tokens["eos_token_id"],
+    }
+    return config if m.moe_experts == 0 else {**config, **moe_fields(m)}
+
+
+def moe_fields(m: ModelConfig) -> dict[str, Any]:
+    """What the remote code's MoE MLP needs (the dispatch resolved); the training-only keys
+    (``moe_aux_coef``, ``moe_bias_rate``) stay in the ``"boostlr"`` section alone."""
+    return {
+        "moe_experts": m.moe_experts,
+        "moe_top_k": m.moe_top_k,
+        "moe_shared": m.moe_shared,
+        "moe_ffn_dim": m.moe_ffn_dim,
+        "moe_dense_layers": m.moe_dense_layers,
+        "moe_dispatch": moe_dispatch_of(m),
+        "moe_balance": m.moe_balance,
+        "moe_capacity": m.moe_capacity,
     }
 
 
@@ -108,7 +145,8 @@ def write_tokenizer_files(out: Path, tokenizer: Tokenizer, max_seq_len: int) -> 
     (out / SPECIAL_TOKENS_MAP).write_text(json.dumps(names, indent=2) + "\n")
 
 
-def copy_remote_code(out: Path) -> None:
-    """The configuration and modeling modules, byte for byte, beside the weights."""
-    for name in REMOTE_CODE_FILES:
+def copy_remote_code(out: Path, moe: bool = False) -> None:
+    """The configuration and modeling modules (and ``moe``'s), byte for byte, beside the
+    weights."""
+    for name in MOE_REMOTE_CODE_FILES if moe else REMOTE_CODE_FILES:
         shutil.copyfile(HF_DIR / name, out / name)

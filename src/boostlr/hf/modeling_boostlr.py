@@ -1,6 +1,6 @@
 """Hugging Face model of boostlr's low-rank LLaMA variants (SVD, CoLA, LaX), with KV cache.
 
-Copied into every low-rank export beside ``configuration_boostlr.py`` and loaded by
+Copied into every low-rank or MoE export beside ``configuration_boostlr.py`` and loaded by
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. It imports torch and
 transformers only. The math is boostlr's single-device model operation for operation (fp32
 RMSNorm, RoPE in the ``rotate_half`` layout with the sign folded into the sin table, SDPA,
@@ -12,6 +12,12 @@ Every block linear is ``up(h(down(x)))``: ``h`` is the identity for SVD, SiLU fo
 for LaX ``SiLU(LN_r(down(x) + G(z_prev)))``, where ``z_prev`` is the latent the same linear
 of the previous block produced at the same position. The latent is per position, so cached
 decoding only needs it for the new tokens and the KV cache is the usual one.
+
+A mixture-of-experts export adds ``modeling_boostlr_moe.py``, whose model classes subclass
+these and give the blocks from ``moe_dense_layers`` on an MoE MLP (the hooks are
+``BoostlrDecoderLayer.mlp_for``, ``BoostlrModel.decoder_layer`` and
+``BoostlrForCausalLM.inner_model``); a dense export does not carry it. Arch ``full`` (``W x``
+linears) is here only for such MoE models: a dense ``full`` model exports as an HF LLaMA.
 """
 
 from __future__ import annotations
@@ -85,30 +91,56 @@ class BoostlrLatentCrossing(nn.Module):
         return self.norm(u), u
 
 
-class BoostlrLowRankLinear(nn.Module):
-    """``up(h(down(x)))``; returns the output and LaX's latent (``None`` for SVD and CoLA)."""
+class BoostlrDenseLinear(nn.Module):
+    """``W x`` (arch ``full``, MoE models only); no latent."""
 
-    def __init__(self, config: BoostlrConfig, d_in: int, d_out: int, layer: int):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+
+    def forward(self, x: torch.Tensor, z_prev: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight), None
+
+
+class BoostlrLowRankLinear(nn.Module):
+    """``up(h(down(x)))``; returns the output and LaX's latent (``None`` for SVD and CoLA).
+
+    ``d_out=None`` keeps only ``h(down(x))``: an MoE MLP's shared in-factor (``A_g``, ``A_u``).
+    """
+
+    def __init__(self, config: BoostlrConfig, d_in: int, d_out: int | None, layer: int):
         super().__init__()
         self.arch = config.arch
         self.down = nn.Linear(d_in, config.rank, bias=False)
-        self.up = nn.Linear(config.rank, d_out, bias=False)
+        if d_out is not None:
+            self.up = nn.Linear(config.rank, d_out, bias=False)
         if self.arch == "lax":
             self.cross = BoostlrLatentCrossing(config, config.lax_gate if layer > 0 else None)
+
+    def latent(
+        self, x: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``h(down(x))`` and LaX's latent."""
+        a = self.down(x)
+        if self.arch == "lax":
+            normed, z = self.cross(a, z_prev)
+            return F.silu(normed), z
+        return (F.silu(a) if self.arch == "cola" else a), None
 
     def forward(
         self, x: torch.Tensor, z_prev: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        a = self.down(x)
-        z = None
-        if self.arch == "lax":
-            normed, z = self.cross(a, z_prev)
-            h = F.silu(normed)
-        elif self.arch == "cola":
-            h = F.silu(a)
-        else:
-            h = a
+        h, z = self.latent(x, z_prev)
         return self.up(h), z
+
+
+def make_linear(
+    config: BoostlrConfig, d_in: int, d_out: int, layer: int
+) -> BoostlrDenseLinear | BoostlrLowRankLinear:
+    """The block linear of the config's arch."""
+    if config.arch == "full":
+        return BoostlrDenseLinear(d_in, d_out)
+    return BoostlrLowRankLinear(config, d_in, d_out, layer)
 
 
 def rope_tables(
@@ -139,7 +171,7 @@ class BoostlrAttention(nn.Module):
         d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
         shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
         for name, (d_in, d_out) in shapes.items():
-            setattr(self, name, BoostlrLowRankLinear(config, d_in, d_out, layer))
+            setattr(self, name, make_linear(config, d_in, d_out, layer))
 
     def forward(
         self,
@@ -180,7 +212,7 @@ class BoostlrMLP(nn.Module):
         d, f = config.hidden_size, config.intermediate_size
         shapes = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
         for name, (d_in, d_out) in shapes.items():
-            setattr(self, name, BoostlrLowRankLinear(config, d_in, d_out, layer))
+            setattr(self, name, make_linear(config, d_in, d_out, layer))
 
     def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
         z: Latents = {}
@@ -199,7 +231,12 @@ class BoostlrDecoderLayer(nn.Module):
         self.input_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = BoostlrAttention(config, layer)
         self.post_attention_layernorm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = BoostlrMLP(config, layer)
+        self.mlp = self.mlp_for(config, layer)
+
+    @staticmethod
+    def mlp_for(config: BoostlrConfig, layer: int) -> nn.Module:
+        """Block ``layer``'s MLP: ``(y, latents) = mlp(x, z_prev)``."""
+        return BoostlrMLP(config, layer)
 
     def forward(
         self,
@@ -227,11 +264,13 @@ class BoostlrPreTrainedModel(PreTrainedModel):
 class BoostlrModel(BoostlrPreTrainedModel):
     """Embedding, blocks and final norm (no head), like ``LlamaModel``."""
 
+    decoder_layer: type[BoostlrDecoderLayer] = BoostlrDecoderLayer
+
     def __init__(self, config: BoostlrConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [BoostlrDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+            [self.decoder_layer(config, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = BoostlrRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
@@ -279,10 +318,11 @@ class BoostlrForCausalLM(BoostlrPreTrainedModel, GenerationMixin):
     _tied_weights_keys = (
         {"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_5 else ["lm_head.weight"]
     )
+    inner_model: type[BoostlrModel] = BoostlrModel
 
     def __init__(self, config: BoostlrConfig):
         super().__init__(config)
-        self.model = BoostlrModel(config)
+        self.model = self.inner_model(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

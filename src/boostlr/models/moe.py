@@ -20,7 +20,7 @@ so no caller has to add it to the loss, pipeline stages included.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -293,7 +293,7 @@ def moe_layers(model: nn.Module) -> list[MoEMLP]:
 
 
 @torch.no_grad()
-def update_expert_biases(layers: Iterable[MoEMLP], group: dist.ProcessGroup | None = None) -> None:
+def update_expert_biases(layers: Sequence[MoEMLP], group: dist.ProcessGroup | None = None) -> None:
     """Balance ``bias``: after an optimizer step, move each expert's bias by ``moe_bias_rate``
     towards the mean load (up if under it, down if over), and restart the counts.
 
@@ -302,17 +302,19 @@ def update_expert_biases(layers: Iterable[MoEMLP], group: dist.ProcessGroup | No
     buffers stay equal without being broadcast. A forward run twice (activation
     recomputation) doubles all counts alike, which leaves every sign unchanged.
     """
-    for layer in layers:
-        router = layer.router
-        if router.balance != "bias":
-            router.load.zero_()
-            continue
-        load = router.load.clone()
+    biased = [layer for layer in layers if layer.router.balance == "bias"]
+    if biased:
+        # One collective for all layers: [layers, E] int64, the same shape on every rank of
+        # the group (its ranks hold the same blocks).
+        loads = torch.stack([layer.router.load for layer in biased])
         if group is not None:
-            dist.all_reduce(load, group=group)
-        signs = torch.sign(load.sum() - load * load.numel())  # mean - load, times E
-        router.expert_bias += layer.bias_rate * signs.to(router.expert_bias.dtype)
-        router.load.zero_()
+            dist.all_reduce(loads, group=group)
+        for layer, load in zip(biased, loads, strict=True):
+            signs = torch.sign(load.sum() - load * load.numel())  # mean - load, times E
+            bias = layer.router.expert_bias
+            bias += layer.bias_rate * signs.to(bias.dtype)
+    for layer in layers:
+        layer.router.load.zero_()
 
 
 def zero_meta_buffers(model: nn.Module, device: torch.device | str) -> None:

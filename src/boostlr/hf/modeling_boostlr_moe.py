@@ -1,0 +1,299 @@
+"""Hugging Face model of boostlr's mixture-of-experts models (any arch), with KV cache.
+
+Copied into every MoE export beside ``configuration_boostlr.py`` and ``modeling_boostlr.py``,
+whose classes these subclass: the blocks from ``moe_dense_layers`` on get
+:class:`BoostlrMoeMLP`, the earlier ones keep the dense MLP. It imports torch and
+transformers only, so an export loads without boostlr; the math restates boostlr's
+``models/moe.py``, ``moe_experts.py`` and ``moe_dispatch.py`` operation for operation, so the
+logits are boostlr's own forward's, and the parameter names are boostlr's
+(``mlp.router.weight``, ``mlp.router.expert_bias``, ``mlp.experts.gate_proj.up.weight
+[E, f_e, r]``, ...), so the weights load by name. A dense export does not carry this file.
+
+Dispatch is boostlr's too: dropless (copies sorted by expert, each expert once on its
+slice), or with ``moe_capacity > 0`` a fixed capacity per expert whose overflow is dropped,
+as boostlr's forward drops it in evaluation as in training. Which copies drop then depends
+on the tokens that share a forward (batch, padding, a KV cache's one-token steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration_boostlr import (
+    BoostlrColaConfig,
+    BoostlrConfig,
+    BoostlrFullConfig,
+    BoostlrLaxConfig,
+    BoostlrSvdConfig,
+)
+from .modeling_boostlr import (
+    BoostlrDecoderLayer,
+    BoostlrForCausalLM,
+    BoostlrLowRankLinear,
+    BoostlrMLP,
+    BoostlrModel,
+    Latents,
+    _get,
+)
+
+ExpertFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
+
+
+def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
+    """``silu(g) ⊙ u`` (swiglu) or ``g ⊙ u`` (lowrank-only), as the dense MLP's product."""
+    return F.silu(gate) * up if form == "swiglu" else gate * up
+
+
+class BoostlrRouter(nn.Module):
+    """``W_r : d -> E`` in at least fp32, top-k, the picked weights normalised to sum to 1.
+
+    ``bias`` balance: sigmoid scores, and the persistent ``expert_bias`` buffer (exported
+    with the weights) shifts which experts are picked, not their weights. ``aux``: softmax.
+    """
+
+    def __init__(self, experts: int, top_k: int, dim: int, balance: str):
+        super().__init__()
+        self.top_k, self.balance = top_k, balance
+        self.weight = nn.Parameter(torch.empty(experts, dim))
+        if balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx, weights)``, both ``[tokens, top_k]``."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        if self.balance == "bias":
+            scores = torch.sigmoid(logits)
+            idx = torch.topk(scores + self.expert_bias.to(dtype), self.top_k, dim=-1).indices
+            normed = scores / scores.sum(-1, keepdim=True)
+        else:
+            normed = torch.softmax(logits, dim=-1)
+            idx = torch.topk(normed, self.top_k, dim=-1).indices
+        picked = normed.gather(-1, idx)
+        return idx, picked / picked.sum(-1, keepdim=True)
+
+
+class StackedFactor(nn.Module):
+    """``n`` matrices ``d_in -> d_out`` as one ``weight [n, d_out, d_in]``."""
+
+    def __init__(self, n: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
+
+    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
+        """Matrix ``e`` on ``x [..., d_in]``; ``e=None``: all ``n``, batched or broadcast."""
+        w = self.weight
+        return torch.matmul(x, (w if e is None else w[e]).mT)
+
+
+class StackedLinear(nn.Module):
+    """``n`` copies of one block linear: ``W x`` (``rank`` None), ``B σ(A x)`` or ``B A x``."""
+
+    def __init__(self, n: int, d_in: int, d_out: int, rank: int | None, activation: bool):
+        super().__init__()
+        self.activation = activation
+        if rank is None:
+            self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
+        else:
+            self.down = StackedFactor(n, d_in, rank)
+            self.up = StackedFactor(n, rank, d_out)
+
+    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
+        if not hasattr(self, "down"):
+            return torch.matmul(x, (self.weight if e is None else self.weight[e]).mT)
+        a = self.down(x, e)
+        return self.up(F.silu(a) if self.activation else a, e)
+
+
+class WholeExperts(nn.Module):
+    """``hidden`` dispatch: ``n`` whole MLPs of the arch, ``d -> f_e -> d`` each."""
+
+    def __init__(self, n: int, dim: int, ffn: int, rank: int | None, activation: bool, form: str):
+        super().__init__()
+        self.form = form
+        self.gate_proj = StackedLinear(n, dim, ffn, rank, activation)
+        self.up_proj = StackedLinear(n, dim, ffn, rank, activation)
+        self.down_proj = StackedLinear(n, ffn, dim, rank, activation)
+
+    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
+        h = expert_product(self.gate_proj(x, e), self.up_proj(x, e), self.form)
+        return self.down_proj(h, e)
+
+
+class _Part(nn.Module):
+    """Holds one factor under the dense MLP's name for it (``gate_proj.up`` and so on)."""
+
+
+class LatentExperts(nn.Module):
+    """``latent`` dispatch: each expert's inner maps, ``z = [z_g | z_u] (2r) -> u (r)``:
+    ``u = σ(A_d^e ((B_g^e z_g) ⊙ (B_u^e z_u)))`` (no σ for svd)."""
+
+    def __init__(self, n: int, rank: int, ffn: int, activation: bool, form: str):
+        super().__init__()
+        self.rank, self.form, self.activation = rank, form, activation
+        self.gate_proj, self.up_proj, self.down_proj = _Part(), _Part(), _Part()
+        self.gate_proj.up = StackedFactor(n, rank, ffn)  # B_g^e
+        self.up_proj.up = StackedFactor(n, rank, ffn)  # B_u^e
+        self.down_proj.down = StackedFactor(n, ffn, rank)  # A_d^e
+
+    def forward(self, z: torch.Tensor, e: int | None) -> torch.Tensor:
+        zg, zu = z[..., : self.rank], z[..., self.rank :]
+        h = expert_product(self.gate_proj.up(zg, e), self.up_proj.up(zu, e), self.form)
+        a = self.down_proj.down(h, e)
+        return F.silu(a) if self.activation else a
+
+
+def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
+    """Routed copies per expert, ``[experts]`` int64."""
+    flat = idx.reshape(-1)
+    counts = torch.zeros(experts, dtype=torch.int64, device=idx.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
+def dropless(
+    payload: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: int, fn: ExpertFn
+) -> torch.Tensor:
+    """Every copy computed: copies sorted by expert, ``fn(slice, e)`` once per expert."""
+    k = idx.shape[1]
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    token = order // k
+    chunks = payload[token].split(expert_counts(idx, experts).tolist())
+    out = torch.cat([fn(chunk, e) for e, chunk in enumerate(chunks)])
+    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return out.new_zeros(payload.shape[0], out.shape[-1]).index_add(0, token, out)
+
+
+def with_capacity(
+    payload: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    experts: int,
+    factor: float,
+    fn: ExpertFn,
+) -> torch.Tensor:
+    """Each expert takes at most ``ceil(factor · tokens · k / E)`` copies, first choices
+    first and then in token order; the rest are dropped (they add nothing)."""
+    tokens, k = idx.shape
+    capacity = max(1, math.ceil(factor * tokens * k / experts))
+    by_choice = idx.t().reshape(-1)
+    token = torch.arange(tokens, device=idx.device).repeat(k)
+    one_hot = F.one_hot(by_choice, experts)
+    position = (one_hot.cumsum(0) - 1).gather(1, by_choice.unsqueeze(1)).squeeze(1)
+    row = torch.where(position < capacity, by_choice * capacity + position, experts * capacity)
+    rows = payload.new_zeros(experts * capacity + 1, payload.shape[-1])
+    rows = rows.index_add(0, row, payload[token])
+    out = fn(rows[:-1].view(experts, capacity, -1), None).reshape(experts * capacity, -1)
+    out = torch.cat([out, out.new_zeros(1, out.shape[-1])])
+    w = weights.t().reshape(-1).to(out.dtype)
+    combined = out.new_zeros(tokens, out.shape[-1])
+    return combined.index_add(0, token, out[row] * w.unsqueeze(-1))
+
+
+class _SharedOut(nn.Module):
+    """The MoE MLP's shared out-factor ``B_d`` (r -> d), named ``down_proj.up`` as in CoLA."""
+
+    def __init__(self, config: BoostlrConfig):
+        super().__init__()
+        self.up = nn.Linear(config.rank, config.hidden_size, bias=False)
+
+
+class BoostlrMoeMLP(nn.Module):
+    """boostlr's mixture-of-experts MLP: routed top-k plus shared experts (weight 1).
+
+    ``latent`` dispatch: ``z = [h(A_g x) | h(A_u x)]`` (the arch's latent, LaX's crossing
+    included), experts map ``z`` to ``r`` wide outputs, one ``B_d`` maps their weighted sum.
+    ``hidden``: every expert a whole MLP of the arch on the d-wide token. Under LaX the
+    latents passed on are those of ``A_g`` and ``A_u``; ``down_proj`` has none.
+    """
+
+    def __init__(self, config: BoostlrConfig, layer: int):
+        super().__init__()
+        c, n, shared = config, config.moe_experts, config.moe_shared
+        self.experts_n, self.capacity = n, config.moe_capacity
+        self.latent = config.moe_dispatch == "latent"
+        self.router = BoostlrRouter(n, c.moe_top_k, c.hidden_size, c.moe_balance)
+        act, form, f = c.latent_activation, c.mlp_form, c.moe_ffn_dim
+        if self.latent:
+            self.gate_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_g
+            self.up_proj = BoostlrLowRankLinear(c, c.hidden_size, None, layer)  # A_u
+            self.down_proj = _SharedOut(c)  # B_d
+            self.experts: nn.Module = LatentExperts(n, c.rank, f, act, form)
+            if shared:
+                self.shared = LatentExperts(shared, c.rank, f, act, form)
+        else:
+            rank = c.rank if c.lowrank else None
+            self.experts = WholeExperts(n, c.hidden_size, f, rank, act, form)
+            if shared:
+                self.shared = WholeExperts(shared, c.hidden_size, f, rank, act, form)
+
+    def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, x.shape[-1])
+        idx, weights = self.router(tokens)
+        z: Latents = {}
+        if self.latent:
+            zg, z["gate_proj"] = self.gate_proj.latent(x, _get(z_prev, "gate_proj"))
+            zu, z["up_proj"] = self.up_proj.latent(x, _get(z_prev, "up_proj"))
+            payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
+        else:
+            payload = tokens
+        if self.capacity:
+            args = (self.experts_n, self.capacity, self.experts)
+            out = with_capacity(payload, idx, weights, *args)
+        else:
+            out = dropless(payload, idx, weights, self.experts_n, self.experts)
+        if hasattr(self, "shared"):
+            out = out + self.shared(payload, None).sum(0)
+        if self.latent:
+            out = self.down_proj.up(out)
+        return out.reshape(*lead, -1), {k: v for k, v in z.items() if v is not None}
+
+
+class BoostlrMoeDecoderLayer(BoostlrDecoderLayer):
+    """A block whose MLP is :class:`BoostlrMoeMLP` from ``moe_dense_layers`` on."""
+
+    @staticmethod
+    def mlp_for(config: BoostlrConfig, layer: int) -> nn.Module:
+        if layer >= config.moe_dense_layers:
+            return BoostlrMoeMLP(config, layer)
+        return BoostlrMLP(config, layer)
+
+
+class BoostlrMoeModel(BoostlrModel):
+    decoder_layer = BoostlrMoeDecoderLayer
+    _no_split_modules = ["BoostlrMoeDecoderLayer"]
+
+
+class BoostlrMoeForCausalLM(BoostlrForCausalLM):
+    inner_model = BoostlrMoeModel
+    _no_split_modules = ["BoostlrMoeDecoderLayer"]
+
+
+class BoostlrSvdMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrSvdConfig
+
+
+class BoostlrColaMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrColaConfig
+
+
+class BoostlrLaxMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrLaxConfig
+
+
+class BoostlrFullMoeForCausalLM(BoostlrMoeForCausalLM):
+    config_class = BoostlrFullConfig
+
+
+MOE_MODEL_CLASSES = {
+    "svd": BoostlrSvdMoeForCausalLM,
+    "cola": BoostlrColaMoeForCausalLM,
+    "lax": BoostlrLaxMoeForCausalLM,
+    "full": BoostlrFullMoeForCausalLM,
+}
