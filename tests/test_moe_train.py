@@ -1,7 +1,7 @@
 """The MoE MLP wired into the model, the trainer and every command that reads a config.
 
 What runs (one device and data parallel) trains as one device does and resumes bit for bit;
-what does not run yet (tp, pp, BTP's region checkpointing, the cost model, an import of
+what does not run yet (tp, pp, BTP's region checkpointing, an import of
 a LLaMA into experts) is refused in one line. tests/test_moe_model.py checks the layer's
 math; tests/test_host_syncs.py counts its one device-to-host copy per layer;
 tests/test_moe_export.py the HF export.
