@@ -1,7 +1,7 @@
 """The MoE MLP wired into the model, the trainer and every command that reads a config.
 
 What runs (one device and data parallel) trains as one device does and resumes bit for bit;
-what does not run yet (tp, pp, BTP's region checkpointing, the cost model, an import of
+what does not run yet (tp, pp, BTP's region checkpointing, an import of
 a LLaMA into experts) is refused in one line. tests/test_moe_model.py checks the layer's
 math; tests/test_host_syncs.py counts its one device-to-host copy per layer;
 tests/test_moe_export.py the HF export.
@@ -75,15 +75,8 @@ def test_layouts_moe_does_not_run_yet_are_refused(
     assert len(err) == 1 and message in err[0], err
 
 
-def test_plan_and_import_hf_refuse_moe_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    moe = [f"--{k}={v}" for k, v in MOE_KEYS.items()]
-    assert main(["plan", "--hardware", "h100-sxm", "--model.preset", "tiny", *moe]) == 2
-    trace = ["--trace", "--gpus", "1"]
-    assert main(["plan", "--hardware", "h100-sxm", "--model.preset", "tiny", *moe, *trace]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all("boostlr plan does not support MoE" in e for e in err), err
+def test_import_hf_refuses_moe_in_one_line(tmp_path: Path) -> None:
+    """(``boostlr plan`` covers MoE now: tests/test_moe_plan.py.)"""
     hf = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}
     hf |= {"num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512}
     (tmp_path / "config.json").write_text(json.dumps(hf))

@@ -32,6 +32,7 @@ from boostlr.analysis.gemms import (
 )
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import FP32, RankParams, stage_modules
+from boostlr.analysis.moe import is_moe_layer
 from boostlr.config import ModelConfig, ParallelConfig, RunConfig
 from boostlr.specs.arch import arch_spec
 
@@ -138,14 +139,16 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
     out = StageTime()
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         fwd = bwd = 0.0
-        per_layer: dict[bool, tuple[float, float, float]] = {}
+        per_layer: dict[tuple[bool, bool], tuple[float, float, float]] = {}
         for layer in layers:
-            key = layer == 0 and crossing  # a crossing arch's block 0 has no crossing gate
+            # A crossing arch's block 0 has no crossing gate; an MoE model's first
+            # ``moe_dense_layers`` blocks keep the dense MLP.
+            key = (layer == 0 and crossing, is_moe_layer(m, layer))
             if key not in per_layer:
-                gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping)
+                gemms = block_gemms(m, strategy, p.tp, seqs, s, layer, p.grouping, p.ep)
                 back = [b for g in gemms for b in backward(g)]
                 ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping, overlap)
-                kernels = block_kernels(m, strategy, p.tp, layer, p.grouping)
+                kernels = block_kernels(m, strategy, p.tp, layer, p.grouping, p.ep)
                 ew_f, ew_b = elementwise_time(ew, kernels, hw)
                 per_layer[key] = (
                     sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f,

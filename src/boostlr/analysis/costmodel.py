@@ -57,6 +57,19 @@ from boostlr.analysis.memory import (
     rank_params,
     stage_modules,
 )
+from boostlr.analysis.moe import (
+    buffer_bytes,
+    dense_mlp_activation,
+    dp_rep,
+    ep_micro_bytes,
+    ep_micro_calls,
+    expert_grad_bytes,
+    expert_weights_per_layer,
+    is_moe,
+    moe_layer_count,
+    moe_mlp_activation,
+    moe_summary,
+)
 from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
 from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
@@ -135,11 +148,15 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
     else:
         dp = fsdp_bytes(list(params.modules), p.dp, steps, fsdp, gathered)
     dp += vocab_step_bytes(cfg, pp_rank)
-    return {
+    out = {
         **{f"comm_tp_{k}": v for k, v in tp.items()},
         "comm_dp_bytes": dp,
         "comm_pp_bytes": pp_bytes,
     }
+    if is_moe(m):  # the ledger's groups ep and dp_rep (analysis/moe.py)
+        out["comm_ep_bytes"] = steps * mb * ep_micro_bytes(m, p, tokens, a)
+        out["comm_dp_rep_bytes"] = expert_grad_bytes(p, params.experts)
+    return out
 
 
 def vocab_step_bytes(cfg: RunConfig, pp_rank: int = 0) -> int:
@@ -197,7 +214,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             out["gathered"] = FP32 * (2 * (units + params.roots) + params.largest_module)
         else:  # parameters stay gathered from forward to backward (a dp-split vocabulary not)
             # in FSDP's param dtype (the compute dtype under bf16).
-            gathered = params.local - params.vocab_local
+            gathered = params.local - params.vocab_local - params.experts
             out["gathered"] = a * gathered + FP32 * params.largest_module
             if p.pp > 1:
                 # torch's pipeline stage keeps the gradients unsharded (reduce dtype, fp32)
@@ -218,6 +235,12 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
     acts = per_block * layers * held
     if p.act_ckpt != "none":  # one block's full activations while it is recomputed
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
+    if is_moe(m):
+        # MoE blocks keep their experts' tensors instead of the dense MLP's
+        moe = moe_mlp_activation(m, tokens, a, p.ep, p.dp) - dense_mlp_activation(m, tokens, a)
+        n_moe = sum(moe_layer_count(m, ls) for ls, _, _ in stages)
+        acts += max(0.0, moe) if p.act_ckpt != "none" else moe * n_moe * held
+        out["buffers"] = float(sum(buffer_bytes(m, ls) for ls, _, _ in stages))
     split_dp = vocab_dp(m, p)  # a vocabulary split over dp sees all dp tokens
     if any(last for _, _, last in stages):
         # The final norm, outside every block (rms_norm's fp32 input and x·rsqrt and its
@@ -320,13 +343,15 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
                 dp_exposed, dp_total = exposed, t_dp
     optimizer = max(optimizer_time(cfg, hw, params[r]) for r in ranks)
     compute = compute_only + optimizer
-    comm = tp_comm + pp_comm + dp_exposed
-    step = busy + bubble + pp_comm + dp_exposed + optimizer
+    moe_parts = moe_comm_times(cfg, hw, params[0]) if is_moe(m) else {}
+    moe_comm = sum(moe_parts.values())  # on the critical path: none overlaps compute
+    comm = tp_comm + pp_comm + dp_exposed + moe_comm
+    step = busy + bubble + pp_comm + dp_exposed + optimizer + moe_comm
     memories = {r: memory_breakdown(cfg, hw, r) for r in ranks}
     worst = max(memories.values(), key=lambda mem: sum(mem.values()))
     tokens = cfg.train.batch_size * cfg.data.seq_len
     per_block = per_block_forward(m, strategy, p.tp, tokens, act_size=a) if strategy else 0
-    gemms = block_gemms(m, strategy, p.tp, seqs, cfg.data.seq_len, 1, p.grouping)
+    gemms = block_gemms(m, strategy, p.tp, seqs, cfg.data.seq_len, 1, p.grouping, p.ep)
     return Prediction(
         arch=m.arch,
         strategy=strategy,
@@ -344,6 +369,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             "dp_comm_s": dp_total,
             "dp_comm_exposed_s": dp_exposed,
             "bubble_s": bubble,
+            **moe_parts,
         },
         memory=worst,
         fits=sum(worst.values()) <= hw.memory,
@@ -363,7 +389,24 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             for g in gemms
         ],
         flops_per_rank=steps * mb * slowest.flops,
+        moe=moe_summary(m, p, comm_metrics(cfg)["comm_ep_bytes"]) if is_moe(m) else None,
     )
+
+
+def moe_comm_times(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> dict[str, float]:
+    """Seconds of an MoE step's ep all-to-alls and its expert-gradient all-reduce over
+    dp_rep. Both are exposed: each all-to-all's result is the next op's input, and
+    ``reduce_expert_grads`` runs after the last backward, before clipping."""
+    p, m = cfg.parallel, cfg.model
+    seqs, mb, steps = microbatching(cfg)
+    metrics = comm_metrics(cfg)
+    calls = steps * mb * ep_micro_calls(m, p)
+    ep = collective_time("all_to_all", metrics["comm_ep_bytes"], calls, p.ep, p.ep * p.tp, hw)
+    experts = expert_weights_per_layer(m) * moe_layer_count(m, range(m.n_layers))
+    rep = collective_time(
+        "all_reduce", metrics["comm_dp_rep_bytes"], experts, dp_rep(p), p.dp * p.tp, hw
+    )
+    return {"ep_comm_s": ep, "dp_rep_comm_s": rep if params.experts else 0.0}
 
 
 def _all_stage_times(cfg: RunConfig, hw: HardwareProfile) -> list[StageTime]:

@@ -14,10 +14,17 @@ of how many kernels it launches besides the GEMMs (:func:`block_kernels`). Only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from boostlr.analysis.moe import (
+    expert_rows,
+    is_moe_layer,
+    latent_dispatch,
+    moe_kernels,
+    routing_passes,
+)
 from boostlr.config import ModelConfig
-from boostlr.models.shapes import linear_shapes
+from boostlr.models.shapes import MLP_LINEARS, linear_shapes
 from boostlr.specs.arch import arch_spec
 from boostlr.specs.strategy import BlockShape, StrategySpec, Traffic, spec_or_none
 
@@ -98,8 +105,13 @@ def block_gemms(
     seq: int,
     layer: int = 1,
     grouping: bool = True,
+    ep: int = 1,
 ) -> list[Gemm]:
-    """Forward GEMMs of one block on one TP rank for ``batch`` sequences of ``seq`` tokens."""
+    """Forward GEMMs of one block on one TP rank for ``batch`` sequences of ``seq`` tokens
+    (an MoE block's on one of ``ep`` expert-parallel ranks)."""
+    if is_moe_layer(cfg, layer):
+        dense = block_gemms(replace(cfg, moe_experts=0), strategy, tp, batch, seq, layer, grouping)
+        return [g for g in dense if _outside_moe(cfg, g.name)] + moe_gemms(cfg, batch * seq, ep)
     T, t = batch * seq, tp
     shapes = linear_shapes(cfg)
     names = tuple(shapes)
@@ -138,6 +150,41 @@ def block_gemms(
     out += [Gemm("down_proj.A", T, f, r), Gemm("down_proj.B", T, r, d)]
     out += _lax_gates(cfg, T, layer, names)
     return out + attention_gemms(cfg, batch, seq, cfg.n_heads // t)
+
+
+def _outside_moe(cfg: ModelConfig, name: str) -> bool:
+    """Whether a dense block's GEMM stays in an MoE block: attention, and under ``latent``
+    the LaX crossings of the shared in-factors (gate, up)."""
+    linear, _, part = name.partition(".")
+    if linear not in MLP_LINEARS:
+        return True
+    return latent_dispatch(cfg) and part.startswith("G") and linear != "down_proj"
+
+
+def moe_gemms(cfg: ModelConfig, tokens: int, ep: int = 1) -> list[Gemm]:
+    """An MoE MLP's forward GEMMs on one rank: the router, the shared outer factors
+    (``latent``), each local routed expert on its balanced share of the copies
+    (:func:`~boostlr.analysis.moe.expert_rows`), and the shared experts on every token."""
+    T, d, r, f = tokens, cfg.dim, cfg.rank or 0, cfg.moe_ffn_dim or 0
+    n, s, rows = cfg.moe_experts // ep, cfg.moe_shared, expert_rows(cfg, tokens, ep)
+    out = [Gemm("router", T, d, cfg.moe_experts)]
+    if latent_dispatch(cfg):
+        out += [Gemm("moe.A_gate_up", T, d, r, 2), Gemm("moe.B_down", T, r, d)]
+        out += [Gemm("experts.B_gate_up", rows, r, f, 2 * n), Gemm("experts.A_down", rows, f, r, n)]
+        if s:
+            out += [Gemm("shared.B_gate_up", T, r, f, 2 * s), Gemm("shared.A_down", T, f, r, s)]
+        return out
+    for name, m, count in (("experts", rows, n), ("shared", T, s)):
+        if not count:
+            continue
+        if cfg.lowrank:
+            out += [Gemm(f"{name}.gate_up.A", m, d, r, 2 * count)]
+            out += [Gemm(f"{name}.gate_up.B", m, r, f, 2 * count)]
+            out += [Gemm(f"{name}.down.A", m, f, r, count), Gemm(f"{name}.down.B", m, r, d, count)]
+        else:
+            out += [Gemm(f"{name}.gate_up", m, d, f, 2 * count)]
+            out += [Gemm(f"{name}.down", m, f, d, count)]
+    return out
 
 
 def head_gemms(cfg: ModelConfig, strategy: str | None, tp: int, tokens: int) -> list[Gemm]:
@@ -205,8 +252,16 @@ def block_elementwise(
     """Non-GEMM traffic of one block on one TP rank, forward and backward.
 
     Element passes per token (the constants above) times ``act`` bytes per element (under
-    bf16 autocast 2: the norms' fp32 internals and autocast's casts are not modelled).
+    bf16 autocast 2: the norms' fp32 internals and autocast's casts are not modelled). An
+    MoE block counts its experts' products as a dense MLP of the width a token uses
+    (``(top_k + shared) · f_e``), plus the routing's passes.
     """
+    if is_moe_layer(cfg, layer):
+        used = (cfg.moe_top_k + cfg.moe_shared) * (cfg.moe_ffn_dim or 0)
+        dense = replace(cfg, moe_experts=0, ffn_dim=used)
+        ew = block_elementwise(dense, strategy, tp, tokens, act, layer, grouping, overlap)
+        rf, rb = routing_passes(cfg)
+        return ew + ElementWise(rf * tokens * act, rb * tokens * act)
     t = tp if strategy else 1
     s, arch = spec_or_none(strategy), arch_spec(cfg.arch)
     if _bottleneck_block(s, cfg.lowrank, grouping):
@@ -362,14 +417,24 @@ WEIGHT_CAT_KERNELS = (4, 2)  # grouped A's concatenated and B's stacked per micr
 
 
 def block_kernels(
-    cfg: ModelConfig, strategy: str | None, tp: int, layer: int = 1, grouping: bool = True
+    cfg: ModelConfig,
+    strategy: str | None,
+    tp: int,
+    layer: int = 1,
+    grouping: bool = True,
+    ep: int = 1,
 ) -> tuple[int, int]:
     """(forward, backward) non-GEMM kernels of one block on one rank (an estimate).
 
     Two norms, RoPE, the MLP product, two residual adds, each latent's activation, a copy per
     TP collective, and BTP's per-group online-norm work; a tensor feeding several consumers
-    adds one gradient per extra consumer in the backward.
+    adds one gradient per extra consumer in the backward. An MoE block adds its routing and
+    each of its experts' kernels (:func:`~boostlr.analysis.moe.moe_kernels`).
     """
+    if is_moe_layer(cfg, layer):
+        fwd, bwd = block_kernels(replace(cfg, moe_experts=0), strategy, tp, layer, grouping)
+        mf, mb = moe_kernels(cfg, ep)
+        return fwd + mf, bwd + mb
     t = tp if strategy else 1
     mlp = SWIGLU_KERNELS if cfg.mlp_form == "swiglu" else PRODUCT_KERNELS
     fwd = 2 * NORM_KERNELS[0] + ROPE_KERNELS[0] + mlp[0] + 2

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from boostlr.analysis.comm import vocab_dp
+from boostlr.analysis.moe import is_routed_expert_name
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, shard_dim, stage_ids, stage_layers
 from boostlr.specs.arch import arch_spec
@@ -62,11 +63,15 @@ class RankParams:
     # backward comes first, so from the second micro-batch on its new gradient sits beside
     # the held one and the micro-batch's activations.
     head_own_grad: int = 0
+    # Routed experts at ``parallel.ep > 1``: this rank's ``E/ep`` experts, held whole beside
+    # FSDP's units (replicated over dp_rep; in ``local`` too, in no module).
+    experts: int = 0
 
     @property
     def sharded(self) -> int:
-        """Elements held with data parallelism: FSDP's shards and the dp-split vocabulary."""
-        return sum(self.modules) + self.vocab
+        """Elements held with data parallelism: FSDP's shards, the dp-split vocabulary and
+        the expert shards."""
+        return sum(self.modules) + self.vocab + self.experts
 
 
 def stage_modules(p: ParallelConfig, n_layers: int, pp_rank: int) -> list[tuple[range, bool, bool]]:
@@ -88,7 +93,7 @@ def rank_params(
     key = (
         tuple(vars(cfg).values()),  # every field a scalar; asdict() would dominate a search
         strategy,
-        (p.tp, p.dp, p.pp, p.num_stages, p.vocab_dp),
+        (p.tp, p.dp, p.pp, p.num_stages, p.vocab_dp, p.ep),
         pp_rank,
         tp_rank,
     )
@@ -105,7 +110,7 @@ def _rank_params(
     tp, dp = p.tp, p.dp
     local = vocab = vocab_local = 0
     modules: list[int] = []
-    largest = largest_block = roots = own_grad = 0
+    largest = largest_block = roots = own_grad = experts = 0
     split_vocab = vocab_dp(cfg, p) > 1
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
@@ -121,6 +126,10 @@ def _rank_params(
                 if top in ("norm", "lm_head") and not last:
                     continue
             elif layer not in blocks:
+                continue
+            if p.ep > 1 and is_routed_expert_name(name):  # E/ep rows, no FSDP unit
+                n = shape[0] // p.ep * math.prod(shape[1:])
+                local, experts = local + n, experts + n
                 continue
             dims = list(shape)
             dim = shard_dim(name, strategy)
@@ -150,7 +159,7 @@ def _rank_params(
         largest_block = max([largest_block, *block_local.values()])
         largest, roots = max(largest, root_local, largest_block), roots + root_local
     return RankParams(
-        local, tuple(modules), largest, largest_block, roots, vocab, vocab_local, own_grad
+        local, tuple(modules), largest, largest_block, roots, vocab, vocab_local, own_grad, experts
     )
 
 

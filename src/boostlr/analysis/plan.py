@@ -23,7 +23,6 @@ from boostlr.config import (
     set_value,
     validate,
 )
-from boostlr.config.validate_moe import refuse_moe
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import COLA, FULL, arch_spec
 from boostlr.specs.schedule import DEFAULT_SCHEDULE, SCHEDULES
@@ -50,9 +49,7 @@ def load_config(
         extra = [*SEARCH_OVERRIDES, ("parallel.nproc", str(gpus))]
     elif gpus:
         extra = [("parallel.nproc", str(gpus))]
-    cfg = build_config(file, extra + pairs)
-    refuse_moe(cfg.model, "boostlr plan", "the cost model and --trace do not model the experts")
-    return cfg
+    return build_config(file, extra + pairs)
 
 
 def variant(cfg: RunConfig, arch: str, strategy: str, act_ckpt: str) -> RunConfig:
@@ -74,14 +71,58 @@ def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     """Dense ``full`` + ``megatron``, then the config's low-rank arch under vanilla and btp.
 
     Each row keeps the config's ``act_ckpt`` where it applies; ``lowrank`` (BTP regions only)
-    becomes ``block`` for the two baselines, as in the paper-layout configs.
+    becomes ``block`` for the two baselines, as in the paper-layout configs. An MoE config's
+    rows are its dispatch forms instead (:func:`moe_rows`).
     """
+    if cfg.model.moe_experts:
+        return moe_rows(cfg, hw)
     ckpt = cfg.parallel.act_ckpt
     base = "block" if ckpt == "lowrank" else ckpt
     return [
         predict(variant(cfg, a, s, ckpt if ckpt in strategy_spec(s).act_ckpt else base), hw)
         for a, s in families(cfg)
     ]
+
+
+def moe_families(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(arch, dispatch) of an MoE config's rows, at its own layout and expert shape: dense
+    experts (``full``, hidden), the low-rank arch's whole-MLP experts (hidden; not LaX,
+    which routes only latents) and its latent experts (docs/moe.md, "Planning")."""
+    lowrank = cfg.model.arch if cfg.model.lowrank else COLA.name
+    out = [(FULL.name, "hidden")]
+    if not arch_spec(lowrank).crossing:
+        out.append((lowrank, "hidden"))
+    return [*out, (lowrank, "latent")]
+
+
+def moe_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
+    """One prediction per :func:`moe_families` row, each validated as the trainer would."""
+    return [predict(moe_variant(cfg, a, d), hw) for a, d in moe_families(cfg)]
+
+
+def moe_variant(cfg: RunConfig, arch: str, dispatch: str) -> RunConfig:
+    """``cfg`` with another arch (its rank re-resolved) and MoE dispatch form."""
+    out = copy.deepcopy(cfg)
+    m = out.model
+    if arch != m.arch:
+        m.arch = arch
+        m.rank = None if arch_spec(arch).lowrank else m.rank
+        m.mlp = "auto"
+        resolve_model(m)
+    m.moe_dispatch = dispatch
+    if out.parallel.act_ckpt == "lowrank":  # BTP's regions: an MoE block checkpoints whole
+        out.parallel.act_ckpt = "block"
+    validate(out)
+    return out
+
+
+def expert_parallel_degrees(cfg: RunConfig, dp: int) -> list[int]:
+    """The ``parallel.ep`` a search tries at ``dp``: divisors of dp that divide the routed
+    experts (1 alone for a dense model, or a capacity-bound MoE: ep runs dropless only)."""
+    m = cfg.model
+    if not m.moe_experts or m.moe_capacity:
+        return [1]
+    return [e for e in _divisors(dp) if m.moe_experts % e == 0]
 
 
 # ----------------------------------------------------------------------------- search
@@ -146,8 +187,9 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                 vocab_modes = ("true", "false") if dp > 1 and not m.tie_embeddings else ("auto",)
                 for strategy in strategies:
                     ckpts = list(act_ckpt_modes(None if strategy == "auto" else strategy))
-                    modes = itertools.product(ckpts, ("fsdp", "ddp"), vocab_modes)
-                    for ckpt, mode, vocab in modes:
+                    eps = expert_parallel_degrees(cfg, dp)
+                    modes = itertools.product(ckpts, ("fsdp", "ddp"), vocab_modes, eps)
+                    for ckpt, mode, vocab, ep in modes:
                         over = {
                             "parallel.tp": str(tp),
                             "parallel.pp": str(pp),
@@ -162,6 +204,8 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
                             "train.grad_accum": str(accum),
                             "train.global_batch": "0",
                         }
+                        if m.moe_experts:  # only an MoE config has the key to set
+                            over["parallel.ep"] = str(ep)
                         try:
                             cand = apply(cfg, over)
                         except ConfigError:
@@ -181,6 +225,7 @@ def _distinct(cands: list[Candidate]) -> list[Candidate]:
     for c in cands:
         p = c.prediction
         key = (round(p.step_time, 9), round(p.memory_total), c.overrides["parallel.tp"])
+        key += (c.overrides.get("parallel.ep"),)
         if key not in seen:
             seen.add(key)
             out.append(c)

@@ -26,6 +26,7 @@ class Prediction:
     tp_bytes_fwd_per_block: int
     gemms: list[dict[str, Any]] = field(default_factory=list)
     flops_per_rank: float = 0.0
+    moe: dict[str, Any] | None = None  # an MoE model's routing figures (moe_summary)
 
     @property
     def memory_total(self) -> float:
@@ -53,6 +54,7 @@ class Prediction:
             "comm_bytes_per_step": self.comm_bytes,
             "flops_per_rank": self.flops_per_rank,
             "layout": self.layout,
+            **({"moe": self.moe} if self.moe is not None else {}),
         }
 
 
@@ -76,4 +78,5 @@ def planned_layout(cfg: RunConfig) -> dict[str, Any]:
         "global_batch": t.batch_size * t.grad_accum * p.dp,
         "seq_len": cfg.data.seq_len,
         "dtype": t.dtype,
+        **({"ep": p.ep} if cfg.model.moe_experts else {}),
     }

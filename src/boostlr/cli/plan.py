@@ -81,6 +81,11 @@ def run(args: argparse.Namespace, call: Call) -> None:
         require_matplotlib("--plot")
     hw = load_profile(args.hardware)
     cfg = plan.load_config(args.config, parse_overrides(call.overrides), args.gpus, args.search)
+    if args.plot and cfg.model.moe_experts:
+        raise BoostlrError(
+            f"plan --plot does not draw MoE models yet (model.moe_experts "
+            f"{cfg.model.moe_experts}): drop --plot (plan, --search and --trace cover MoE)"
+        )
     check_trace_flags(args.trace, args.search, args.gpus, args.trace_rank, args.trace_jobs)
     if args.search:
         cands = plan.search(cfg, hw, args.gpus, args.top)

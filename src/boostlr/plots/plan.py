@@ -300,6 +300,9 @@ def _speedup_caption(rows: list[Prediction], ref: Prediction | None) -> str:
 
 
 def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
+    if any(r.moe for r in rows):
+        print_moe_rows(rows, hw, title)
+        return
     from rich.console import Console
     from rich.table import Table
 
@@ -322,13 +325,7 @@ def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
         table.add_column(col, justify="left" if col in ("arch", "strategy", "layout") else "right")
     for r in rows:
         row = r.row()
-        lay = r.layout
-        layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
-        if lay["pp"] > 1:
-            layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
-        if lay["dp"] > 1:
-            layout += f" {lay['dp_mode']}"
-            layout += " vocab/dp" if lay["vocab_dp"] else " vocab/fsdp"  # as auto resolved
+        layout = _layout_cell(r.layout)
         table.add_row(
             r.arch,
             r.strategy or "none (tp 1)",
@@ -342,6 +339,64 @@ def print_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
             f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
             "yes" if r.fits else "NO",
             f"{r.step_time / ref.step_time:.2f}x" if ref else "-",
+        )
+    console = Console()
+    Console(width=max(console.width, 160)).print(table)
+
+
+def _layout_cell(lay: dict[str, Any]) -> str:
+    layout = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} {lay['act_ckpt']}"
+    if lay["pp"] > 1:
+        layout += f" {lay['pp_schedule']}x{lay['microbatches']}"
+    if lay["dp"] > 1:
+        layout += f" {lay['dp_mode']}"
+        layout += " vocab/dp" if lay["vocab_dp"] else " vocab/fsdp"  # as auto resolved
+    if lay.get("ep", 1) > 1:
+        layout += f" ep{lay['ep']}"
+    return layout
+
+
+MOE_CAPTION = (
+    "ep elems/copy: elements one routed copy moves over ep, out and back (latent 3r, hidden "
+    "2d); ep bytes and expert memory assume balanced routing (exact over an ep group)"
+)
+
+
+def print_moe_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> None:
+    """An MoE config's rows (docs/moe.md, "Planning"): one per dispatch form, with what a
+    routed copy costs over ep beside the step."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=MOE_CAPTION)
+    for col in (
+        "arch",
+        "dispatch",
+        "layout",
+        "step s",
+        "compute s",
+        "exposed comm s",
+        "ep elems/copy",
+        "ep GB/step",
+        "GEMM intensity min/mean",
+        "memory GB/GPU",
+        "fits",
+    ):
+        table.add_column(col, justify="left" if col in ("arch", "dispatch", "layout") else "right")
+    for r in rows:
+        row, moe = r.row(), r.moe or {}
+        table.add_row(
+            r.arch,
+            str(moe.get("dispatch")),
+            _layout_cell(r.layout),
+            f"{r.step_time:.3f}",
+            f"{r.compute:.3f}",
+            f"{r.comm:.3f}",
+            f"{moe.get('elements_per_copy')}",
+            f"{int(moe.get('ep_bytes_per_step', 0)) / 1e9:.3f}",
+            f"{row['gemm_intensity_min']:.0f}/{row['gemm_intensity_mean']:.0f}",
+            f"{_gb(r.memory_total)}/{_gb(hw.memory)}",
+            "yes" if r.fits else "NO",
         )
     console = Console()
     Console(width=max(console.width, 160)).print(table)

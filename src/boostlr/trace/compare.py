@@ -30,6 +30,7 @@ from typing import Any
 from boostlr.analysis.costmodel import comm_metrics, memory_breakdown, planning_config
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.config import RunConfig
+from boostlr.trace.moe_routing import ASSUMPTION
 from boostlr.trace.rank import RankTrace
 
 MIB = 1 << 20
@@ -43,6 +44,8 @@ def communicators(cfg: RunConfig) -> int:
     """NCCL communicators one rank creates: each group of more than one rank, and p2p."""
     p = cfg.parallel
     groups = [p.world_size, p.tp, p.dp, p.pp]
+    if p.ep > 1:  # the experts' view of dp: its ep and dp_rep groups
+        groups += [p.ep, p.dp // p.ep]
     return sum(1 for g in groups if g > 1) + (2 if p.pp > 1 else 0)
 
 
@@ -59,14 +62,15 @@ def plan_for(cfg: RunConfig, hw: HardwareProfile, t: RankTrace) -> dict[str, Any
     """The plan's memory breakdown and traffic for the traced rank's position."""
     breakdown = memory_breakdown(cfg, hw, t.pp_stage)
     comm = comm_metrics(cfg, t.pp_stage, t.tp_rank)
+    groups = {"tp": comm["comm_tp_bytes"], "dp": comm["comm_dp_bytes"], "pp": comm["comm_pp_bytes"]}
+    if cfg.parallel.ep > 1:  # MoE at ep > 1: the groups a traced rank reports (RankTrace)
+        groups["ep"] = comm["comm_ep_bytes"]
+        if comm["comm_dp_rep_bytes"]:
+            groups["dp_rep"] = comm["comm_dp_rep_bytes"]
     return {
         "memory": {k: int(v) for k, v in breakdown.items()},
         "peak_bytes": int(sum(v for k, v in breakdown.items() if k != "reserved")),
-        "comm_bytes": {
-            "tp": comm["comm_tp_bytes"],
-            "dp": comm["comm_dp_bytes"],
-            "pp": comm["comm_pp_bytes"],
-        },
+        "comm_bytes": groups,
     }
 
 
@@ -87,11 +91,13 @@ def trace_json(cfg: RunConfig, hw: HardwareProfile, traces: list[RankTrace]) -> 
     """The ``trace`` list of ``plan --trace --json``: one object per traced rank."""
     cfg = planning_config(cfg)
     out = []
+    moe = {"routing": ASSUMPTION} if cfg.model.moe_experts else {}
     for t in traces:
         plan = plan_for(cfg, hw, t)
         extras = cuda_extras(cfg, t)
         out.append(
             {
+                **moe,
                 "rank": t.rank,
                 "pp_stage": t.pp_stage,
                 "dp_rank": t.dp_rank,
@@ -153,8 +159,8 @@ def format_trace(entries: list[dict]) -> str:
     lines.append("")
     lines.append(f"{'rank':>5} {'group':>5} | {'traced bytes':>16} {'plan bytes':>16} {'diff':>7}")
     for e in entries:
-        for g in ("tp", "dp", "pp"):
-            traced, planned = e["comm_bytes"][g], e["plan_comm_bytes"][g]
+        for g in dict.fromkeys([*e["comm_bytes"], *e["plan_comm_bytes"]]):
+            traced, planned = e["comm_bytes"].get(g, 0), e["plan_comm_bytes"].get(g, 0)
             if traced or planned:
                 lines.append(
                     f"{e['rank']:>5} {g:>5} | {traced:>16,} {planned:>16,} "
@@ -164,4 +170,6 @@ def format_trace(entries: list[dict]) -> str:
     if extras:
         named = ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in extras.items())
         lines.append(f"\n+cuda (rank {entries[0]['rank']}): {named}")
+    if entries and "routing" in entries[0]:
+        lines.append(entries[0]["routing"])
     return "\n".join(lines)

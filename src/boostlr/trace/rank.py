@@ -28,12 +28,22 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from boostlr._torch_internals import unflatten_mesh
 from boostlr.config import RunConfig
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.collectives import CommLedger
 from boostlr.parallel.data_parallel import set_fsdp_collectives
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.mesh import MESH_DIMS, MeshComms, comms_on, mesh_coordinates, mesh_shape
+from boostlr.parallel.expert_parallel import reduce_expert_grads
+from boostlr.parallel.mesh import (
+    EXPERT_DIMS,
+    MESH_DIMS,
+    MeshComms,
+    comms_on,
+    expert_mesh_shape,
+    mesh_coordinates,
+    mesh_shape,
+)
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.train.optim import build_optimizer
 
@@ -64,10 +74,12 @@ class RankTrace:
         return max(self.peaks.values(), default=0)
 
     def comm_bytes(self) -> dict[str, int]:
-        out = dict.fromkeys(MESH_DIMS, 0)
+        """Bytes per group: tp, dp, pp, and ep and dp_rep where the step used them (MoE)."""
+        out = dict.fromkeys((*MESH_DIMS, *EXPERT_DIMS), 0)
         for r in self.records:
             out[r["group"]] += r["bytes"]
-        return {k: out[k] for k in ("tp", "dp", "pp")}
+        used = [k for k in EXPERT_DIMS if any(r["group"] == k for r in self.records)]
+        return {k: out[k] for k in ("tp", "dp", "pp", *used)}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,10 +93,14 @@ def coordinates(cfg: RunConfig, rank: int) -> tuple[int, int, int]:
 
 def mesh_on_default_group(cfg: RunConfig, device_type: str = "cpu") -> MeshComms:
     """The run's mesh (:func:`~boostlr.parallel.mesh.mesh_shape`) on the default group's
-    backend (a fake world's)."""
-    shape = mesh_shape(cfg.parallel)
+    backend (a fake world's), with the experts' view of it at ``parallel.ep > 1``."""
+    p = cfg.parallel
+    shape = mesh_shape(p)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-    return comms_on(mesh)
+    if p.ep == 1:
+        return comms_on(mesh)
+    sizes = tuple(expert_mesh_shape(p)[n] for n in EXPERT_DIMS)
+    return comms_on(mesh, unflatten_mesh(mesh, "dp", sizes, EXPERT_DIMS, {}))
 
 
 def torch_fsdp_collectives(stages: list[TensorParallelModel], comms: MeshComms) -> None:
@@ -163,6 +179,7 @@ def two_steps(
                 total += model.forward_backward(inputs, targets)
         starts.append(len(comms.ledger.records))
         counter.backward_phase = None
+        reduce_expert_grads(model, comms)  # as the trainer's step: expert grads over dp_rep
         if step == 1:
             counter.phase("optimizer")
         model.global_mean(total / t.grad_accum)

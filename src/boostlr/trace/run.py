@@ -43,7 +43,8 @@ def traced_ranks(cfg: RunConfig) -> list[int]:
 
 
 def trace_here(cfg: RunConfig, rank: int, micro_limit: int | None = MICRO_TRACED) -> RankTrace:
-    """Trace ``rank`` in this process: a fake world, its mesh, the build and two steps.
+    """Trace ``rank`` in this process: a fake world, its mesh, the build and two steps
+    (an MoE model under balanced routing: :mod:`boostlr.trace.moe_routing`).
 
     ``micro_limit``: micro-batches run per step (None: all ``grad_accum``). The process
     must have no default process group; it has none again afterwards.
@@ -52,12 +53,13 @@ def trace_here(cfg: RunConfig, rank: int, micro_limit: int | None = MICRO_TRACED
 
     from boostlr.trace.counter import StorageCounter, counting
     from boostlr.trace.fake_world import fake_tensors, init_fake_world
+    from boostlr.trace.moe_routing import balanced_routing
     from boostlr.trace.rank import mesh_on_default_group, two_steps
 
     init_fake_world(rank, cfg.parallel.world_size)
     try:
         comms = mesh_on_default_group(cfg)  # real rank tables, before the fake mode
-        with fake_tensors() as mode:
+        with fake_tensors() as mode, balanced_routing(cfg):
             counter = StorageCounter(mode)
             with counting(counter):
                 return two_steps(cfg, comms, counter, rank, micro_limit=micro_limit)
