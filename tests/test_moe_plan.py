@@ -29,7 +29,6 @@ from boostlr.analysis.moe import is_moe_layer, routed_widths
 from boostlr.analysis.plan import candidates, load_config, search
 from boostlr.cli import main
 from boostlr.config import build_config
-from boostlr.errors import ConfigError
 from boostlr.trace.compare import format_trace, trace_json
 from boostlr.trace.moe_routing import balanced_counts, balanced_routing
 from boostlr.trace.run import trace_rank
@@ -144,25 +143,6 @@ def test_moe_plan_bytes_equal_the_ledger_and_state_is_close(world: int) -> None:
 # --- boostlr plan, --search and --trace on MoE configs -------------------------------------
 
 
-@pytest.fixture
-def ep_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``validate`` passes ``parallel.ep > 1`` as it will once the trainer runs it: only its
-    refusal "not wired into the trainer yet" is skipped, every other ep check stays (a
-    no-op once that refusal is lifted)."""
-    from boostlr.config import validate_moe
-
-    original = validate_moe._validate_ep
-
-    def lifted(m, p) -> None:
-        try:
-            original(m, p)
-        except ConfigError as exc:
-            if "not wired into the trainer" not in str(exc):
-                raise
-
-    monkeypatch.setattr(validate_moe, "_validate_ep", lifted)
-
-
 MOE_1B = [
     "--model.preset", "1B", "--model.moe_experts", "16", "--model.moe_top_k", "2",
     "--model.moe_ffn_dim", "1024", "--model.moe_shared", "1", "--data.seq_len", "2048",
@@ -171,7 +151,7 @@ MOE_1B = [
 
 
 def test_plan_rows_are_the_dispatch_forms_with_their_ep_bytes(
-    ep_validated: None, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = ["plan", "--hardware", "h200", *MOE_1B, "--gpus", "16", "--parallel.dp", "-1"]
     assert main([*args, "--parallel.ep", "4", "--json"]) == 0
@@ -195,7 +175,7 @@ def test_plan_rows_are_the_dispatch_forms_with_their_ep_bytes(
     assert "ep elems/copy" in table and "ep4" in table and "latent" in table
 
 
-def test_search_tries_every_expert_parallel_degree(ep_validated: None) -> None:
+def test_search_tries_every_expert_parallel_degree() -> None:
     pairs = [(k.removeprefix("--"), v) for k, v in _pairs(MOE_1B)]
     cfg = load_config(None, pairs, 16, True)
     hw = load_profile("h200")

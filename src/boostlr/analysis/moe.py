@@ -167,17 +167,15 @@ def expert_weight_casts(m: ModelConfig, act: int, ep: int, dp: int) -> int:
     """Bytes of the routed experts' bf16 weight copies one MoE layer's forward keeps.
 
     Each expert's GEMMs read their weight through ``models.params.local``, which under
-    autocast casts the whole local ``[E/ep, ...]`` stack; the expert indexes its own slice of
-    that copy and its GEMMs keep the slice, so the copy lives until the backward: ``E/ep``
-    copies of the stack per layer, wherever the weights are not already bf16 (at ``ep > 1``
-    FSDP does not gather them; at dp 1 nothing does, and ``bf16_weights`` counts one copy).
-    At ``ep = 1`` under FSDP its mixed precision hands them over in bf16: no cast.
+    autocast casts that expert's row of the local ``[E/ep, ...]`` stack; its GEMMs keep the
+    copy until the backward: one bf16 copy of the stack per layer, wherever the weights are
+    not already bf16 (at ``ep > 1`` FSDP does not gather them). At dp 1 nothing gathers and
+    ``bf16_weights`` already counts that copy; at ``ep = 1`` under FSDP its mixed precision
+    hands them over in bf16: no cast.
     """
-    if act >= FP32 or (ep == 1 and dp > 1):
+    if act >= FP32 or ep == 1:
         return 0
-    n = m.moe_experts // ep
-    copies = n * n - (n if dp == 1 else 0)
-    return act * copies * expert_params(m)
+    return act * (m.moe_experts // ep) * expert_params(m)
 
 
 def expert_weights_per_layer(m: ModelConfig) -> int:

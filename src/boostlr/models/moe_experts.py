@@ -43,8 +43,7 @@ class StackedFactor(nn.Module):
     def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
         """Matrix ``e`` on ``x [..., d_in]``; ``e=None``: all ``n``, batched (``x [n, ..]``)
         or broadcast (``x [tokens, d_in]`` gives ``[n, tokens, d_out]``)."""
-        w = local(self.weight)
-        return torch.matmul(x, (w if e is None else w[e]).mT)
+        return torch.matmul(x, local(self.weight, e).mT)
 
 
 class StackedLinear(nn.Module):
@@ -69,8 +68,7 @@ class StackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
         if not hasattr(self, "down"):
-            w = local(self.weight)
-            return torch.matmul(x, (w if e is None else w[e]).mT)
+            return torch.matmul(x, local(self.weight, e).mT)
         a = self.down(x, e)
         return self.up(F.silu(a) if self.activation else a, e)
 

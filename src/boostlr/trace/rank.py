@@ -34,7 +34,6 @@ from boostlr.parallel.build import build_stages
 from boostlr.parallel.collectives import CommLedger
 from boostlr.parallel.data_parallel import set_fsdp_collectives
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.expert_parallel import reduce_expert_grads
 from boostlr.parallel.mesh import (
     EXPERT_DIMS,
     MESH_DIMS,
@@ -179,7 +178,7 @@ def two_steps(
                 total += model.forward_backward(inputs, targets)
         starts.append(len(comms.ledger.records))
         counter.backward_phase = None
-        reduce_expert_grads(model, comms)  # as the trainer's step: expert grads over dp_rep
+        model.reduce_expert_gradients()  # as the trainer's step: expert grads over dp_rep
         if step == 1:
             counter.phase("optimizer")
         model.global_mean(total / t.grad_accum)
