@@ -44,7 +44,7 @@ FP32 = 4
 INT64 = 8
 # d, layers, heads, E, k, f_e, r, global batch x seq, vocab, rounds x steps
 FULL = dict(dim=512, layers=4, heads=8, experts=8, top_k=2, ffn=688, rank=128)
-FULL |= dict(batch=8, seq_len=128, vocab=4096, rounds=4, steps=2)
+FULL |= dict(batch=8, seq_len=128, vocab=4096, rounds=6, steps=2)
 QUICK = dict(dim=64, layers=2, heads=4, experts=4, top_k=2, ffn=32, rank=16)
 QUICK |= dict(batch=4, seq_len=32, vocab=512, rounds=1, steps=1)
 
