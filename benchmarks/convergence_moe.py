@@ -153,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny shapes and data: seconds")
+    parser.add_argument(
+        "--dense-steps", type=int, default=None, help="the FLOP budget in the dense model's steps"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.quick and args.data is None:
         args.data = small_dataset(args.out)
     size = QUICK if args.quick else FULL
+    if args.dense_steps is not None:
+        size = {**size, "dense_steps": args.dense_steps}
     vocab = 512 if args.quick else 4096  # the corpora's BPE vocabularies
     plan = budgets(size, vocab, VAL_BATCHES[args.quick])
     arches = {name: arch for name, (arch, _) in models(size).items()}
