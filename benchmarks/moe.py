@@ -23,7 +23,7 @@ and over CoLA hidden's (≤ 0.85).
 The per-rank bytes depend on the routing (what a rank receives), their sum over the ranks
 does not (every copy leaves one rank and arrives at one), hence the mean.
 
-    python benchmarks/moe.py              # ep 2 and 4, d 512, r 128: about 4-6 minutes on 2 cores
+    python benchmarks/moe.py              # ep 2 and 4, d 512, r 128: a few minutes on 2 cores
     python benchmarks/moe.py --quick      # tiny shapes, one timed step: a check, not a result
 """
 
