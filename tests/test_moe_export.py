@@ -322,17 +322,22 @@ def test_moe_export_imports_back_exactly_and_resumes(
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [0, 2]
 
 
+@pytest.mark.parametrize("ep", [1, 2])
 def test_export_of_a_dp2_run_has_the_runs_logits(
-    small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ep: int, small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A checkpoint the real trainer wrote at dp 2 (FSDP shards), with shared experts and a
-    dense first block: the export consolidates it, the balance bias included."""
+    """A checkpoint the real trainer wrote at dp 2 (FSDP shards; at ep 2 the routed experts
+    as two expert shards), with shared experts and a dense first block: the export
+    consolidates it, the balance bias included."""
     moe = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
     extra = {"model.n_layers": 3, "model.moe_dense_layers": 1, "model.moe_shared": 1}
     dp2 = {"parallel.dp": 2, "train.batch_size": 2, "train.global_batch": 8}
+    if ep > 1:
+        dp2["parallel.ep"] = ep
     run = tmp_path / "dp2"
     trainer.train(tiny_run_config(small_dataset, **moe, **extra, **dp2), run, console=False)
-    assert open_checkpoint(run).meta["layout"]["dp"] == 2
+    layout = open_checkpoint(run).meta["layout"]
+    assert layout["dp"] == 2 and layout.get("ep", 1) == ep
     model, _ = load_pretrained(run)
     bias = dict(model.named_buffers())["layers.2.mlp.router.expert_bias"]
     assert bias.abs().sum() > 0  # trained: the bias moved
