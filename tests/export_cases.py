@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -58,3 +59,27 @@ def write_checkpoint(root: Path, cfg: RunConfig, model: LlamaModel, tokenizer_fi
 
 def random_tokens(n: int = 24, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(3))
+
+
+def prepare_words(root: Path, tokenizer_file: Path) -> Path:
+    """Text in the tokenizer's words, prepared with it under ``root`` (so a run can train on
+    it after an import)."""
+    from boostlr.data import prepare_dataset
+
+    words = WORDS.split()
+    docs = [" ".join(words[(i * 5 + j * 3) % len(words)] for j in range(40)) for i in range(60)]
+    text = root / "words.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare_dataset([text], root / "data", tokenizer=str(tokenizer_file), progress=False)
+    return root / "data"
+
+
+def load_remote(out: Path):
+    """An export loaded by transformers as its remote code, every weight accounted for."""
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()

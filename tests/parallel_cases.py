@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -224,4 +225,44 @@ def compare_bf16_step(rank: int, world: int, cfg: RunConfig) -> dict:
         "param_dtypes": {str(p.dtype) for _, p in model.named_parameters()},
         "metrics": model.step_metrics(),
         "fsdp_modules": fsdp_module_elements(model),
+    }
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (its shard when ``t`` is a DTensor)."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def step_once(cfg: RunConfig) -> tuple[ParallelModel, torch.optim.Optimizer]:
+    """Build ``cfg`` and take its grad_accum micro-batches of this dp rank's slice of the
+    global batch (under the run's autocast), with the experts' gradient rule applied; the
+    ledger holds only the step. The optimizer has not stepped yet."""
+    model = ParallelModel.build(cfg, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    inputs, targets = global_batch(cfg)
+    b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
+    mine = slice(dp_rank * b, (dp_rank + 1) * b)
+    bf16 = cfg.train.dtype == "bfloat16"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    model.comms.ledger.reset()
+    for _ in range(cfg.train.grad_accum):
+        with autocast:
+            model.forward_backward(inputs[mine], targets[mine])
+    model.reduce_expert_gradients()
+    return model, opt
+
+
+def resident_bytes(model: ParallelModel, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's parameter, gradient and optimizer-state bytes."""
+    params = model.parameters()
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            local_bytes(v)
+            for p in params
+            for v in opt.state[p].values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ),
     }

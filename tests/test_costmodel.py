@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import resource
-from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
 from distributed import run_distributed
-from parallel_cases import global_batch, layout_config
-from torch.distributed.tensor import DTensor
+from parallel_cases import layout_config, resident_bytes, step_once
 
 from boostlr.analysis.costmodel import comm_metrics, predict, state_bytes
 from boostlr.analysis.hardware import load_profile
@@ -28,46 +26,17 @@ from boostlr.errors import ConfigError
 MEMORY_TOL = 0.10
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
 def measure(rank: int, world: int, cases: list[tuple[str, object]]) -> dict:
     """One optimizer step per case: this rank's ledger metrics and its resident state."""
-    from boostlr.parallel.engine import ParallelModel
-
     out = {}
     for label, cfg in cases:
-        model = ParallelModel.build(cfg, torch.device("cpu"))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        inputs, targets = global_batch(cfg)
-        b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
-        mine = slice(dp_rank * b, (dp_rank + 1) * b)
-        autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16)
-            if cfg.train.dtype == "bfloat16"
-            else nullcontext()
-        )
-        model.comms.ledger.reset()
-        for _ in range(cfg.train.grad_accum):
-            with autocast:
-                model.forward_backward(inputs[mine], targets[mine])
+        model, opt = step_once(cfg)
         metrics = model.step_metrics()
         opt.step()
-        params = model.parameters()
-        state = sum(
-            _local_bytes(v)
-            for p in params
-            for v in opt.state[p].values()
-            if torch.is_tensor(v) and v.dim() > 0
-        )
         out[label] = {
             "metrics": metrics,
             "coords": (model.comms.pp.rank, model.comms.dp.rank, model.comms.tp.rank),
-            "params": sum(_local_bytes(p) for p in params),
-            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": state,
+            **resident_bytes(model, opt),
         }
     return out
 

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_cases import VOCAB, WORDS, perturbed_model, random_tokens, run_config, write_checkpoint
+from export_cases import (
+    VOCAB,
+    WORDS,
+    load_remote,
+    perturbed_model,
+    random_tokens,
+    run_config,
+    write_checkpoint,
+)
 from export_cases import write_tokenizer as _write_tokenizer
 from tokenizers import Tokenizer
 
@@ -44,14 +52,6 @@ def _export(root: Path, arch: str, overrides, tokenizer_file: Path):
     return cfg, model, export_checkpoint(ckpt, root / "export")
 
 
-def _load(out: Path):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out, trust_remote_code=True, output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
-
-
 @pytest.mark.parametrize("arch,overrides", LOWRANK_CASES, ids=LOWRANK_IDS)
 def test_lowrank_export_is_a_remote_code_model_with_our_logits(
     tmp_path: Path, tokenizer_file: Path, arch: str, overrides: list[tuple[str, str]]
@@ -64,7 +64,7 @@ def test_lowrank_export_is_a_remote_code_model_with_our_logits(
     for name in REMOTE_CODE_FILES:  # the package's module, byte for byte
         assert (out / name).read_bytes() == (HF_DIR / name).read_bytes()
 
-    hf = _load(out)
+    hf = load_remote(out)
     # Built from the export's own copy of the modeling file, not from boostlr.
     assert type(hf).__module__.startswith("transformers_modules")
     assert type(hf).__name__ == config["architectures"][0]
@@ -83,7 +83,7 @@ def test_generate_with_kv_cache_matches_boostlr_greedy(
     tmp_path: Path, tokenizer_file: Path, arch: str, overrides: list[tuple[str, str]]
 ) -> None:
     _, model, out = _export(tmp_path, arch, overrides, tokenizer_file)
-    hf = _load(out)
+    hf = load_remote(out)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     prompt = "alpha beta gamma delta"
     ids = torch.tensor([tokenizer.encode(prompt).ids])
@@ -112,7 +112,7 @@ def test_left_padded_batch_generates_what_each_prompt_does_alone(
     tmp_path: Path, tokenizer_file: Path
 ) -> None:
     _, _, out = _export(tmp_path, "lax", [("model.n_kv_heads", "2")], tokenizer_file)
-    hf = _load(out)
+    hf = load_remote(out)
     tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     tok.padding_side = "left"
     prompts = ["alpha beta gamma delta epsilon zeta", "kappa lambda"]

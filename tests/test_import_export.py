@@ -7,11 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_cases import WORDS, perturbed_model, random_tokens, run_config, write_checkpoint
+from export_cases import (
+    perturbed_model,
+    prepare_words,
+    random_tokens,
+    run_config,
+    write_checkpoint,
+)
 from export_cases import write_tokenizer as _write_tokenizer
 
 from boostlr.cli import main
-from boostlr.data import prepare_dataset
 from boostlr.export import export_checkpoint, load_pretrained
 from boostlr.rundir.checkpoint import list_checkpoints, load_model_state, open_checkpoint
 
@@ -25,14 +30,7 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def words_dataset(tmp_path_factory: pytest.TempPathFactory, tokenizer_file: Path) -> Path:
-    """Text in the tokenizer's words, prepared with it (so training can continue on it)."""
-    root = tmp_path_factory.mktemp("words")
-    words = WORDS.split()
-    docs = [" ".join(words[(i * 5 + j * 3) % len(words)] for j in range(40)) for i in range(60)]
-    text = root / "words.jsonl"
-    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    prepare_dataset([text], root / "data", tokenizer=str(tokenizer_file), progress=False)
-    return root / "data"
+    return prepare_words(tmp_path_factory.mktemp("words"), tokenizer_file)
 
 
 @pytest.mark.parametrize(

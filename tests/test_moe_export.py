@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_cases import WORDS, perturbed_model, random_tokens, run_config, write_checkpoint
+from export_cases import (
+    load_remote,
+    perturbed_model,
+    prepare_words,
+    random_tokens,
+    run_config,
+    write_checkpoint,
+)
 from export_cases import write_tokenizer as _write_tokenizer
 from fp32_noise import difference_bound, relative_error
 from test_train import tiny_run_config
@@ -73,15 +80,7 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def words_dataset(tmp_path_factory: pytest.TempPathFactory, tokenizer_file: Path) -> Path:
-    """Text in the tokenizer's words, prepared with it (so an imported run can train)."""
-    root = tmp_path_factory.mktemp("words")
-    words = WORDS.split()
-    docs = [" ".join(words[(i * 5 + j * 3) % len(words)] for j in range(40)) for i in range(60)]
-    (root / "words.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    prepare_dataset(
-        [root / "words.jsonl"], root / "data", tokenizer=str(tokenizer_file), progress=False
-    )
-    return root / "data"
+    return prepare_words(tmp_path_factory.mktemp("words"), tokenizer_file)
 
 
 def moe_model(case: str) -> tuple[RunConfig, LlamaModel]:
@@ -102,14 +101,6 @@ def _export(root: Path, case: str, tokenizer_file: Path) -> tuple[RunConfig, Lla
     cfg, model = moe_model(case)
     ckpt = write_checkpoint(root / "run", cfg, model, tokenizer_file)
     return cfg, model, export_checkpoint(ckpt, root / "export")
-
-
-def _load(out: Path):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out, trust_remote_code=True, output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
 
 
 def assert_logits_within_noise(
@@ -149,7 +140,7 @@ def test_moe_export_is_a_remote_code_model_with_our_logits(
     for name in MOE_REMOTE_CODE_FILES:
         assert (out / name).read_bytes() == (HF_DIR / name).read_bytes()
 
-    hf = _load(out)
+    hf = load_remote(out)
     assert type(hf).__module__.startswith("transformers_modules")
     assert type(hf).__name__ == config["architectures"][0]
     # The remote code's names are boostlr's, the balance bias included.
@@ -189,7 +180,7 @@ def test_the_exported_bias_decides_the_routing(tmp_path: Path, tokenizer_file: P
     would fail if the export lost it."""
     case = "cola-latent-bias-shared-dense1"
     _, model, out = _export(tmp_path, case, tokenizer_file)
-    hf = _load(out)
+    hf = load_remote(out)
     tokens = random_tokens()
     with torch.no_grad():
         for name, buf in hf.named_buffers():
@@ -205,7 +196,7 @@ def test_moe_generate_with_kv_cache_matches_boostlr_greedy(
     tmp_path: Path, tokenizer_file: Path, case: str
 ) -> None:
     _, model, out = _export(tmp_path, case, tokenizer_file)
-    hf = _load(out)
+    hf = load_remote(out)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = torch.tensor([tokenizer.encode("alpha beta gamma delta").ids])
     new = 10
@@ -230,7 +221,7 @@ def test_moe_left_padded_batch_generates_what_each_prompt_does_alone(
     """Dropless routing is per token, so padding a prompt beside a longer one changes
     nothing (lm-eval and batched generation pad)."""
     _, _, out = _export(tmp_path, "lax-latent-bias-shared2-dense1-tied", tokenizer_file)
-    hf = _load(out)
+    hf = load_remote(out)
     tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     tok.padding_side = "left"
     prompts = ["alpha beta gamma delta epsilon zeta", "kappa lambda"]
@@ -247,16 +238,36 @@ def test_moe_left_padded_batch_generates_what_each_prompt_does_alone(
 def test_every_arch_has_its_moe_model_class() -> None:
     """``config.json`` names a class the MoE module has, for every arch, with the config
     class of that arch (transformers checks the two agree)."""
-    from boostlr.hf.configuration_boostlr import CONFIG_CLASSES, MOE_ONLY_CONFIG_CLASSES
-    from boostlr.hf.files import model_class
+    from boostlr.hf.configuration_boostlr import CONFIG_CLASSES, MOE_CONFIG_CLASSES
+    from boostlr.hf.files import config_class, model_class
     from boostlr.hf.modeling_boostlr_moe import MOE_MODEL_CLASSES
 
-    configs = {**CONFIG_CLASSES, **MOE_ONLY_CONFIG_CLASSES}
-    assert set(MOE_MODEL_CLASSES) == set(configs) == set(ARCHS)
+    assert set(MOE_MODEL_CLASSES) == set(MOE_CONFIG_CLASSES) == set(ARCHS)
     for arch, cls in MOE_MODEL_CLASSES.items():
-        assert cls.config_class is configs[arch] and configs[arch].arch == arch
+        configs = MOE_CONFIG_CLASSES[arch]
+        assert cls.config_class is configs and configs.arch == arch
+        assert configs is not CONFIG_CLASSES.get(arch)  # never the dense model's config class
         m = run_config(arch, *MOE).model
         assert model_class(m) == (MOE_REMOTE_CODE_FILES[-1].removesuffix(".py"), cls.__name__)
+        assert config_class(m) == configs.__name__
+
+
+def test_a_dense_then_an_moe_export_from_same_named_directories(
+    tmp_path: Path, tokenizer_file: Path
+) -> None:
+    """transformers names a local export's remote code by its directory's name and maps
+    config classes to model classes process-wide: a dense cola export loaded first must not
+    lend an MoE cola export (in a directory of the same name) its dense model class."""
+    cfg = run_config("cola")
+    dense = perturbed_model(cfg)
+    ckpt = write_checkpoint(tmp_path / "dense" / "run", cfg, dense, tokenizer_file)
+    load_remote(export_checkpoint(ckpt, tmp_path / "dense" / "export"))
+    _, model, out = _export(tmp_path / "moe", "cola-latent-bias-shared-dense1", tokenizer_file)
+    hf = load_remote(out)  # every MoE weight loaded: none missing
+    tokens = random_tokens().remainder(model.cfg.vocab_size)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+    assert_logits_within_noise(theirs, model, tokens)
 
 
 def test_capacity_export_generates(tmp_path: Path, tokenizer_file: Path) -> None:
@@ -264,7 +275,7 @@ def test_capacity_export_generates(tmp_path: Path, tokenizer_file: Path) -> None
     greedy text may differ from boostlr's recomputing generate (docs/moe.md); it runs, and
     the prompt's forward is boostlr's."""
     _, model, out = _export(tmp_path, "cola-latent-capacity", tokenizer_file)
-    hf = _load(out)
+    hf = load_remote(out)
     tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     batch = tok(["alpha beta gamma delta epsilon", "kappa"], return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -342,7 +353,7 @@ def test_export_of_a_dp2_run_has_the_runs_logits(
     bias = dict(model.named_buffers())["layers.2.mlp.router.expert_bias"]
     assert bias.abs().sum() > 0  # trained: the bias moved
     out = export_checkpoint(run, tmp_path / "export")
-    hf = _load(out)
+    hf = load_remote(out)
     assert torch.equal(hf.model.layers[2].mlp.router.expert_bias, bias)
     tokens = random_tokens().remainder(model.cfg.vocab_size)
     with torch.no_grad():

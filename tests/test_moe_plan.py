@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from contextlib import nullcontext
 
 import pytest
 import torch
 from distributed import run_distributed
-from parallel_cases import global_batch, layout_config
-from torch.distributed.tensor import DTensor
+from parallel_cases import layout_config, resident_bytes, step_once
 
 from boostlr.analysis.costmodel import comm_metrics, planning_config, state_bytes
 from boostlr.analysis.hardware import load_profile
@@ -44,48 +42,21 @@ def moe_config(arch: str, dp: int, ep: int, **extra):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
 def _measure(rank: int, world: int, cases: list[tuple[str, object]]) -> dict:
-    from boostlr.parallel.engine import ParallelModel
-    from boostlr.parallel.expert_parallel import reduce_expert_grads
-
     out = {}
     for label, cfg in cases:
-        model = ParallelModel.build(cfg, torch.device("cpu"))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        inputs, targets = global_batch(cfg)
-        b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
-        mine = slice(dp_rank * b, (dp_rank + 1) * b)
-        bf16 = cfg.train.dtype == "bfloat16"
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-        ledger = model.comms.ledger
-        ledger.reset()
-        for _ in range(cfg.train.grad_accum):
-            with autocast:
-                model.forward_backward(inputs[mine], targets[mine])
-        reduce_expert_grads(model, model.comms)
+        model, opt = step_once(cfg)
         opt.step()
-        params = model.parameters()
+        ledger = model.comms.ledger
         moe = [r for r in ledger.records if r.group == "ep" and r.tag == "moe"]
         out[label] = {
-            "dp_rank": dp_rank,
+            "dp_rank": model.comms.dp.rank,
             "dp": ledger.totals("dp")["bytes"],
             "ep": ledger.totals("ep")["bytes"],
             "dp_rep": ledger.totals("dp_rep")["bytes"],
             # forward payload all-to-alls in order: dispatch, combine, per layer
             "dispatch": [r.bytes for r in moe if r.phase == "fwd"][::2],
-            "params": sum(_local_bytes(p) for p in params),
-            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(
-                _local_bytes(v)
-                for p in params
-                for v in opt.state[p].values()
-                if torch.is_tensor(v) and v.dim() > 0
-            ),
+            **resident_bytes(model, opt),
         }
     return out
 

@@ -151,6 +151,30 @@ class BoostlrLaxConfig(BoostlrConfig):
         super().__init__(**kwargs)
 
 
+class BoostlrSvdMoeConfig(BoostlrSvdConfig):
+    """An svd MoE export's config. Each MoE config is a class of its own because transformers
+    maps config classes to model classes for the whole process: a dense export of the same
+    arch loaded earlier (from a directory of the same name) would otherwise lend the MoE
+    export its dense model class."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+
+
+class BoostlrColaMoeConfig(BoostlrColaConfig):
+    """A cola MoE export's config (a class of its own: see :class:`BoostlrSvdMoeConfig`)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+
+
+class BoostlrLaxMoeConfig(BoostlrLaxConfig):
+    """A lax MoE export's config (a class of its own: see :class:`BoostlrSvdMoeConfig`)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+
+
 class BoostlrFullConfig(BoostlrConfig):
     """Dense linears ``W x`` with MoE MLPs (a dense ``full`` model exports as an HF LLaMA)."""
 
@@ -168,3 +192,10 @@ CONFIG_CLASSES = {"svd": BoostlrSvdConfig, "cola": BoostlrColaConfig, "lax": Boo
 #: The remote-code config of a ``full`` MoE model (not in ``CONFIG_CLASSES``, the low-rank
 #: archs' table: a dense ``full`` model is an HF LLaMA).
 MOE_ONLY_CONFIG_CLASSES = {"full": BoostlrFullConfig}
+#: Every arch's MoE config class (see :class:`BoostlrSvdMoeConfig` for why they are apart).
+MOE_CONFIG_CLASSES = {
+    "svd": BoostlrSvdMoeConfig,
+    "cola": BoostlrColaMoeConfig,
+    "lax": BoostlrLaxMoeConfig,
+    **MOE_ONLY_CONFIG_CLASSES,
+}

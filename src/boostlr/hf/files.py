@@ -49,6 +49,13 @@ def model_class(m: ModelConfig) -> tuple[str, str]:
     return MODELING_MODULE, f"{prefix}ForCausalLM"
 
 
+def config_class(m: ModelConfig) -> str:
+    """The remote-code config class: an MoE model of a low-rank arch has its own
+    (``BoostlrColaMoeConfig``), so transformers never maps it to the dense model class."""
+    prefix = class_prefix(m.arch)
+    return f"{prefix}MoeConfig" if m.moe_experts and m.lowrank else f"{prefix}Config"
+
+
 def llama_fields(m: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` fields every export shares with an HF LLaMA config."""
     return {
@@ -70,7 +77,6 @@ def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
     """``config.json`` of a remote-code export (low-rank, or MoE of any arch): HF field
     names, our extra fields, ``auto_map``; the ``moe_*`` fields only for an MoE model, so a
     dense model's file is what it was before MoE existed."""
-    prefix = class_prefix(m.arch)
     module, model = model_class(m)
     factors = {"rank": m.rank} if m.lowrank else {}
     crossing = {"lax_gate": m.lax_gate, "lax_gate_rank": m.lax_gate_rank} if m.lowrank else {}
@@ -78,7 +84,7 @@ def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
         "architectures": [model],
         "model_type": f"boostlr_{m.arch}",
         "auto_map": {
-            "AutoConfig": f"{CONFIG_MODULE}.{prefix}Config",
+            "AutoConfig": f"{CONFIG_MODULE}.{config_class(m)}",
             "AutoModelForCausalLM": f"{module}.{model}",
         },
         **llama_fields(m),

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_boostlr import (
-    BoostlrColaConfig,
+    BoostlrColaMoeConfig,
     BoostlrConfig,
     BoostlrFullConfig,
-    BoostlrLaxConfig,
-    BoostlrSvdConfig,
+    BoostlrLaxMoeConfig,
+    BoostlrSvdMoeConfig,
 )
 from .modeling_boostlr import (
     BoostlrDecoderLayer,
@@ -276,15 +276,15 @@ class BoostlrMoeForCausalLM(BoostlrForCausalLM):
 
 
 class BoostlrSvdMoeForCausalLM(BoostlrMoeForCausalLM):
-    config_class = BoostlrSvdConfig
+    config_class = BoostlrSvdMoeConfig
 
 
 class BoostlrColaMoeForCausalLM(BoostlrMoeForCausalLM):
-    config_class = BoostlrColaConfig
+    config_class = BoostlrColaMoeConfig
 
 
 class BoostlrLaxMoeForCausalLM(BoostlrMoeForCausalLM):
-    config_class = BoostlrLaxConfig
+    config_class = BoostlrLaxMoeConfig
 
 
 class BoostlrFullMoeForCausalLM(BoostlrMoeForCausalLM):
