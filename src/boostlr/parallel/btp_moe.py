@@ -65,12 +65,14 @@ def mlp_forward(
     # Every token's routing, equal on all ranks: the load, statistics and balance loss of
     # the whole micro-batch (the balance loss's gradient is each rank's own, not summed).
     route_all = moe.router.select(logits)
-    width = payload.shape[-1]
-    joined = copy_to_group(torch.cat([payload, logits.to(payload.dtype)], -1), comm, LATENT_TAG)
+    # One backward all-reduce for both; in the logits' dtype (fp32 at least), so the share's
+    # top-k is taken on the very values ``route_all`` was.
+    width, dtype = payload.shape[-1], torch.promote_types(payload.dtype, logits.dtype)
+    joined = copy_to_group(torch.cat([payload.to(dtype), logits.to(dtype)], -1), comm, LATENT_TAG)
     share = tokens // comm.size
     mine = joined[comm.rank * share : (comm.rank + 1) * share]
-    route = moe.router.select(mine[:, width:].to(logits.dtype))
-    pay = mine[:, :width]
+    route = moe.router.select(mine[:, width:])
+    pay = mine[:, :width].to(payload.dtype)
     out = _routed(moe, pay, route, _summed_over_tp(moe.experts, ctx, "experts"))
     if hasattr(moe, "shared"):
         out = out + _summed_over_tp(moe.shared, ctx, "shared")(pay, None).sum(0)
