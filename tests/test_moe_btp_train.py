@@ -27,13 +27,17 @@ def _grad_norm(run: Path, step: int) -> float:
     return next(r["grad_norm"] for r in read_rows(run) if r.get("step") == step and "loss" in r)
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_tp2_btp_trains_as_one_device(small_dataset: Path, tmp_path: Path, dp: int) -> None:
-    """tp 2 (and dp 2 x tp 2, FSDP around the BTP MoE blocks) against one device."""
+@pytest.mark.parametrize(("dp", "pp"), [(1, 1), (2, 1), (1, 2)])
+def test_tp2_btp_trains_as_one_device(
+    small_dataset: Path, tmp_path: Path, dp: int, pp: int
+) -> None:
+    """tp 2 (dp 2 x tp 2: FSDP around the BTP MoE blocks; pp 2 x tp 2: MoE stages) against
+    one device."""
     runs = {}
-    for tp, ranks in ((1, 1), (2, dp)):
+    for tp, ranks, stages in ((1, 1, 1), (2, dp, pp)):
         runs[tp] = tmp_path / f"tp{tp}"
         layout = {"parallel.tp": tp, "parallel.dp": ranks, "train.batch_size": 4 // ranks}
+        layout["parallel.pp"] = stages
         cfg = tiny_run_config(small_dataset, **MOE, **layout, **{"train.global_batch": 4})
         trainer.train(cfg, runs[tp], console=False)
     one, two = train_rows(runs[1]), train_rows(runs[2])
@@ -46,7 +50,7 @@ def test_tp2_btp_trains_as_one_device(small_dataset: Path, tmp_path: Path, dp: i
     assert abs(norm - norm_ref) <= LOSS_TOL * norm_ref, (norm, norm_ref)
     rows = [r for r in read_rows(runs[2]) if "loss" in r]
     assert all(r["comm_tp_bytes"] > 0 for r in rows)
-    if dp == 1:
+    if dp == pp == 1:
         _resumes(runs[2], tmp_path)
 
 
