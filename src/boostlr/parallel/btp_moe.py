@@ -26,7 +26,12 @@ from boostlr.models.moe import Latents, MoEMLP
 from boostlr.models.moe_dispatch import ExpertFn, capacity_of, dropless, with_capacity
 from boostlr.models.params import local
 from boostlr.models.placement import chunk_range
-from boostlr.parallel.collectives import copy_to_group, gather_from_group
+from boostlr.parallel.collectives import (
+    GroupComm,
+    PendingAllReduce,
+    copy_to_group,
+    gather_from_group,
+)
 from boostlr.parallel.context import TPContext
 
 #: Ledger tags of the MoE block's own collectives.
@@ -93,15 +98,46 @@ def _routed(moe: MoEMLP, payload: Tensor, route, fn: ExpertFn) -> Tensor:
     return out
 
 
+class _SumGradsOverTP(torch.autograd.Function):
+    """Identity on several weights; the backward sums all their gradients over TP in one
+    all-reduce (flattened and concatenated: the same shape on every rank)."""
+
+    @staticmethod
+    def forward(ctx, comm: GroupComm, tag: str, *weights: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.comm, ctx.tag = comm, tag
+        ctx.shapes = [w.shape for w in weights]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        sample = next(g for g in grads if g is not None)
+        flat = torch.cat(
+            [
+                (sample.new_zeros(shape) if g is None else g).reshape(-1)
+                for g, shape in zip(grads, ctx.shapes, strict=True)
+            ]
+        )
+        summed = PendingAllReduce(ctx.comm, ctx.tag).finish(flat)
+        sizes = [shape.numel() for shape in ctx.shapes]
+        parts = summed.split(sizes)
+        return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
+
+
 def _summed_over_tp(experts: nn.Module, ctx: TPContext, name: str) -> ExpertFn:
-    """``experts`` whose weight gradients are summed over TP (each rank ran other tokens)."""
+    """``experts`` whose weight gradients are summed over TP (each rank ran other tokens):
+    one backward all-reduce for all of them."""
     if ctx.comm.size == 1:
         return experts
-    weights = {
-        key: copy_to_group(local(p), ctx.comm, f"{GRAD_TAG}.{name}.{key}")
-        for key, p in experts.named_parameters()
-    }
+    keys, params = zip(*experts.named_parameters(), strict=True)
+    summed = _sum_grads_over_tp(ctx.comm, f"{GRAD_TAG}.{name}", *(local(p) for p in params))
+    weights = dict(zip(keys, summed, strict=True))
     return lambda x, e: functional_call(experts, weights, (x, e))
+
+
+@torch.compiler.disable
+def _sum_grads_over_tp(comm: GroupComm, tag: str, *weights: Tensor) -> tuple[Tensor, ...]:
+    """:class:`_SumGradsOverTP` outside any compiled graph (a collective is a boundary)."""
+    return _SumGradsOverTP.apply(comm, tag, *weights)
 
 
 def _own(latent: Tensor | None) -> Tensor | None:
