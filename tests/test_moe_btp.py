@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from distributed import rank_device, run_distributed
 from fp32_noise import float64_grads, layout_bound, relative_error
@@ -100,7 +101,17 @@ def _case(rank: int, world: int, arch: str, balance: str, grouping: bool, ckpt: 
 
 
 def _run(rank: int, world: int) -> list[dict]:
-    return [_case(rank, world, *case) for case in CASES]
+    reports = [_case(rank, world, *case) for case in CASES]
+    # A micro-batch whose tokens tp does not divide is refused by name, on every rank alike
+    # (before any collective of the MoE block).
+    device = rank_device(rank)
+    comms = build_mesh(ParallelConfig(tp=world, device=device.type), device)
+    cfg = _cfg("cola", "bias")
+    part = sliced(_perturbed(cfg).to(device), "btp", TPContext(comms.tp, cfg))
+    odd = torch.zeros(1, 2 * world + 1, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="make batch x sequence length a multiple of tp"):
+        part(odd)
+    return reports
 
 
 def test_btp_moe_model_equals_one_device_and_routing_adds_no_collective() -> None:
