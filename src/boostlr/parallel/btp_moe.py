@@ -12,7 +12,8 @@ Gradients: the latents and logits of the shares meet in one all-reduce backward 
 dense readers' latents do); the gather's backward reduce-scatters ``B_d``'s partial input
 gradients. The experts (whole on every TP rank) and the router (whole, used by its d-slice)
 see different tokens (or columns) on each rank, so their gradients are summed over TP by
-identity-forward, all-reduce-backward copies of their weights (:func:`copy_to_group`).
+identity-forward, all-reduce-backward copies of their weights: one all-reduce for the router,
+one per expert group (routed, shared).
 """
 
 from __future__ import annotations
