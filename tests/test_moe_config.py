@@ -59,7 +59,10 @@ def test_first_layers_stay_dense() -> None:
         (dict(moe_capacity=-1.0), {}, "model.moe_capacity must be >= 0"),
         (dict(moe_balance="loss"), {}, "model.moe_balance 'loss' is not one of: bias, aux"),
         (dict(rank=12), {}, "model.rank 12 exceeds model.moe_ffn_dim 8"),
-        ({}, dict(tp=2), "not supported yet with parallel.tp > 1"),
+        ({}, dict(tp=2, tp_strategy="vanilla"), "runs under tp strategy btp only"),
+        (dict(moe_dispatch="hidden"), dict(tp=2), "moe_dispatch hidden runs on the single"),
+        (dict(moe_capacity=1.0), dict(tp=2), "moe_capacity (1.0) is not supported with"),
+        ({}, dict(tp=2, dp=2, ep=2), "parallel.ep 2 is not supported with parallel.tp > 1"),
     ],
 )
 def test_bad_moe_configs_are_one_line(kw: dict, layout: dict, message: str) -> None:
@@ -79,6 +82,7 @@ def test_dispatch_auto_and_good_layouts() -> None:
     assert moe_dispatch_of(moe_cfg(arch="full", mlp="swiglu")) == "hidden"
     validate_moe(moe_cfg(), ParallelConfig(dp=4))
     validate_moe(moe_cfg(), ParallelConfig(pp=2, dp=4, ep=2))  # a pipeline of MoE stages
+    validate_moe(moe_cfg(), ParallelConfig(tp=2, dp=2))  # BTP, latent dispatch
 
 
 @pytest.mark.parametrize("dispatch", ["latent", "hidden"])

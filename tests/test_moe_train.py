@@ -1,10 +1,10 @@
 """The MoE MLP wired into the model, the trainer and every command that reads a config.
 
 What runs (one device and data parallel) trains as one device does and resumes bit for bit;
-what does not run yet (tp, pp, BTP's region checkpointing, an import of
-a LLaMA into experts) is refused in one line. tests/test_moe_model.py checks the layer's
-math; tests/test_host_syncs.py counts its one device-to-host copy per layer;
-tests/test_moe_export.py the HF export.
+what does not run yet (tp other than BTP's latent dispatch, BTP's region checkpointing, an
+import of a LLaMA into experts) is refused in one line (BTP: tests/test_moe_btp*.py).
+tests/test_moe_model.py checks the layer's math; tests/test_host_syncs.py counts its one
+device-to-host copy per layer; tests/test_moe_export.py the HF export.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def moe_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"parallel.tp": 2}, "not supported yet with parallel.tp > 1"),
+        ({"parallel.tp": 2, "parallel.tp_strategy": "vanilla"}, "runs under tp strategy btp"),
         ({"parallel.act_ckpt": "lowrank"}, "parallel.act_ckpt lowrank checkpoints BTP"),
-        ({"parallel.tp_strategy": "btp"}, "not tp strategy 'btp' (even at parallel.tp 1)"),
+        ({"parallel.tp_strategy": "btp", "model.moe_dispatch": "hidden"}, "hidden runs on"),
     ],
 )
 def test_layouts_moe_does_not_run_yet_are_refused(

@@ -86,14 +86,16 @@ def test_every_kind_is_some_parameter() -> None:
     assert seen == set(KINDS)
 
 
-def test_moe_parameters_have_rules_only_on_the_single_device_model() -> None:
-    """MoE runs at tp 1: every strategy's table lacks the kind, so a build under one fails
-    loudly (the config refuses it first, in one line)."""
+def test_moe_parameters_have_rules_only_on_the_single_device_model_and_btp() -> None:
+    """MoE runs at tp 1 and under BTP (router and experts whole): every other strategy's
+    table lacks the kind, so a build under one fails loudly (the config refuses it first,
+    in one line)."""
     moe = {"model.moe_experts": "4", "model.moe_ffn_dim": "16"}
     names = _names(_config("cola", None, **moe))
     assert {param_kind(n) for n in names if ".router." in n or ".experts." in n} == {MOE}
     assert all(shard_dim(n, None) is None for n in names)
-    for strategy in STRATEGIES[1:]:
+    assert shard_dim("layers.0.mlp.router.weight", "btp") is None
+    for strategy in [s for s in STRATEGIES[1:] if s != "btp"]:
         assert _config("cola", strategy, **moe) is None
         with pytest.raises(ValueError, match="MoE router or expert"):
             shard_dim("layers.0.mlp.router.weight", strategy)

@@ -19,6 +19,7 @@ from boostlr.config.schema import (
 )
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.strategy import strategy_spec
 
 
 def moe_dispatch_of(m: ModelConfig) -> str:
@@ -82,20 +83,40 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
             f"model.rank {m.rank} exceeds model.moe_ffn_dim {m.moe_ffn_dim}, the experts' "
             "inner width: lower model.rank or raise model.moe_ffn_dim"
         )
-    if p is not None and p.tp > 1:
-        raise ConfigError(
-            f"model.moe_experts > 0 is not supported yet with parallel.tp > 1 (got tp "
-            f"{p.tp}): MoE runs on one device, data, expert and pipeline parallel for now"
-        )
-    if p is not None and p.strategy_for(m.arch) is not None:
-        raise ConfigError(
-            f"model.moe_experts > 0 runs on the single-device block, not tp strategy "
-            f"'{p.tp_strategy}' (even at parallel.tp 1): drop --parallel.tp_strategy"
-        )
+    if p is not None:
+        _validate_tp(m, p, dispatch)
     if p is not None and p.act_ckpt == "lowrank":
         raise ConfigError(
             "parallel.act_ckpt lowrank checkpoints BTP's regions, which an MoE block does not "
             "run: use --parallel.act_ckpt block (or none) with model.moe_experts > 0"
+        )
+
+
+def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: str) -> None:
+    """Tensor parallelism: BTP with latent dispatch only (the router rides in its MLP norm's
+    all-reduce and every TP rank holds the latents it routes: parallel/btp_moe.py)."""
+    strategy = p.strategy_for(m.arch)
+    if strategy is None:
+        return
+    if not strategy_spec(strategy).bottleneck_regions:
+        raise ConfigError(
+            f"model.moe_experts > 0 runs under tp strategy btp only, not '{strategy}' (even "
+            "at parallel.tp 1): use a low-rank arch with --parallel.tp_strategy btp, or tp 1"
+        )
+    if dispatch != "latent":
+        raise ConfigError(
+            f"model.moe_dispatch {dispatch} runs on the single-device block only, not under "
+            "tp strategy btp: use --model.moe_dispatch latent, or tp 1 without a tp_strategy"
+        )
+    if p.tp > 1 and m.moe_capacity:
+        raise ConfigError(
+            f"model.moe_capacity ({m.moe_capacity}) is not supported with parallel.tp > 1 "
+            "yet (each TP rank would drop over its own share): drop --model.moe_capacity"
+        )
+    if p.tp > 1 and p.ep > 1:
+        raise ConfigError(
+            f"parallel.ep {p.ep} is not supported with parallel.tp > 1 yet: use "
+            "--parallel.ep 1 or --parallel.tp 1"
         )
 
 

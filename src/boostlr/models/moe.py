@@ -83,6 +83,11 @@ class Router(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
+        return self.select(logits)
+
+    def select(self, logits: torch.Tensor) -> Routing:
+        """The routing from logits ``[tokens, E]`` (BTP computes them row-parallel)."""
+        dtype = logits.dtype
         if self.balance == "bias":
             scores = torch.sigmoid(logits)
             idx = torch.topk(scores + self.expert_bias.to(dtype), self.top_k, dim=-1).indices
@@ -110,7 +115,12 @@ class SharedIn(nn.Module):
     def forward(
         self, x: torch.Tensor, z_prev: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        a = F.linear(x, local(self.down.weight))
+        return self.latent(F.linear(x, local(self.down.weight)), z_prev)
+
+    def latent(
+        self, a: torch.Tensor, z_prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """σ (LaX: the crossing, then σ) of ``a = A x``: BTP computes ``a`` row-parallel."""
         if hasattr(self, "cross"):
             normed, z = self.cross(a, z_prev)
             return F.silu(normed), z
@@ -209,7 +219,11 @@ class MoEMLP(nn.Module):
             out = out + self.shared(payload, None).sum(0)
         if self.latent:
             out = F.linear(out, local(self.down_proj.up.weight))
-        y = out.reshape(*lead, -1)
+        return self.account(out.reshape(*lead, -1), route, lead), z
+
+    def account(self, y: torch.Tensor, route: Routing, lead: torch.Size) -> torch.Tensor:
+        """After a forward of ``route`` (every token of the micro-batch, shaped ``lead``):
+        count the load and the statistics, and attach the balance loss's gradient to ``y``."""
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.router.load += expert_counts(route.idx, self.experts_n)
@@ -220,7 +234,7 @@ class MoEMLP(nn.Module):
                 y = _AddAuxGrad.apply(y, aux, self.aux_scale)
         if self.stats is not None and self.training and torch.is_grad_enabled():
             self._record(route)
-        return y, z
+        return y
 
     def start_stats(self) -> None:
         """Record the training forwards from now on (a step that logs): device counters only.

@@ -26,7 +26,7 @@ UP = "low-rank B"  # {linear}.up.weight [d_out, r]
 CROSS_NORM = "LaX latent norm"  # {linear}.cross.norm.weight [r]
 CROSS_GATE = "LaX crossing gate"  # {linear}.cross.gate{,_down,_up}.weight (r -> r)
 #: mlp.{router,experts,shared}.*: an MoE MLP's own parameters (its shared outer factors are
-#: DOWN/UP of gate/up/down_proj). Only the single-device model has a rule: MoE runs at tp 1.
+#: DOWN/UP of gate/up/down_proj). The single-device model and BTP have a rule.
 MOE = "MoE router or expert"
 KINDS = (
     EMBEDDING,
@@ -74,6 +74,9 @@ RULES: dict[str | None, dict[str, int | None]] = {
         UP: 0,  # B column-parallel: its output split
         CROSS_NORM: None,  # LaX acts on the replicated latents
         CROSS_GATE: None,
+        # Whole: the experts act on the replicated latents; the router (E x d, small) is
+        # used row-parallel by its d-slice, its gradient summed over tp (parallel/btp_moe).
+        MOE: None,
     },
 }
 

@@ -22,6 +22,7 @@ Companions implemented here:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,10 @@ from torch import Tensor
 from boostlr.models.llama import Block, Latents, LlamaModel, causal_attention
 from boostlr.models.lowrank import LowRankLinear
 from boostlr.models.mlp import GATED, gated
+from boostlr.models.moe import MOE
 from boostlr.models.norm import rms_norm
 from boostlr.models.params import local
+from boostlr.parallel import btp_moe
 from boostlr.parallel.collectives import (
     PendingAllReduce,
     copy_to_group,
@@ -45,7 +48,7 @@ from boostlr.specs.strategy import BTP
 
 SPEC = BTP
 #: The MLP kinds :func:`block_forward` runs.
-MLP_KINDS = (GATED,)
+MLP_KINDS = (GATED, MOE)
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
@@ -342,19 +345,69 @@ MLP_READS = "gate_up"
 def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents]:
-    """One block on the d-sharded residual ``x``; four ``[T, r·k]`` all-reduces forward."""
-    attn, mlp, cfg = block.self_attn, gated(block.mlp, SPEC.name), ctx.cfg
-    qkv = [getattr(attn, n) for n in QKV]
-    grouped = ctx.grouping
+    """One block on the d-sharded residual ``x``; four ``[T, r·k]`` all-reduces forward.
+
+    An MoE block (:mod:`boostlr.parallel.btp_moe`) shares the attention and the folded MLP
+    norm; its router's partial logits ride in the readers' all-reduce.
+    """
+    if block.mlp.kind == MOE:
+        moe = block.mlp
+        z: Latents = {}
+        h_o, pending_o = _attention(block, x, rope, z_prev, ctx, z)
+        x, pre = _mlp_reads(block, h_o, pending_o, x, lambda: btp_moe.read_downs(moe, ctx), ctx)
+        x, z_moe = btp_moe.mlp_forward(moe, pre, x, z_prev, ctx)
+        z.update(z_moe)
+        return x, z
+    mlp = gated(block.mlp, SPEC.name)
     reads = mlp.readers()
     read_names, readers = [name for name, _ in reads], [lin for _, lin in reads]
     write_name, writer = mlp.writer()
-    z: Latents = {}
+    grouped = ctx.grouping
+    z = {}
+    h_o, pending_o = _attention(block, x, rope, z_prev, ctx, z)
+    x, pre = _mlp_reads(
+        block, h_o, pending_o, x, lambda: [local(lin.down.weight) for lin in readers], ctx
+    )
+    hs, z_reads = _latents(readers, pre, read_names, z_prev)
+    z.update(z_reads)
+    hs, pending_reads = _enter_region(hs, ctx, MLP_READS)
+
+    # Region: the readers' B's (this rank's slice of f) -> combine -> partial A of the writer.
+    def mlp_region(*h: Tensor) -> Tensor:
+        outs = _up(list(h), [local(l.up.weight) for l in readers], grouped, pending_reads)
+        return F.linear(mlp.combine(*outs), local(writer.down.weight))
+
+    p_d = reduce_from_group(ctx.region(write_name, mlp_region, *hs), ctx.comm, write_name)
+    (h_d,), z_d = _latents([writer], [p_d], [write_name], z_prev)
+    z.update(z_d)
+    (h_d,), pending_d = _enter_region([h_d], ctx, write_name)
+
+    # Region: the writer's B writes the residual slice (continues into the next block's A_qkv).
+    def residual_mlp_region(h: Tensor, x_: Tensor) -> Tensor:
+        (b_down,) = _up([h], [local(writer.up.weight)], grouped, pending_d)
+        return x_ + b_down
+
+    return ctx.region("residual", residual_mlp_region, h_d, x), z
+
+
+def _attention(
+    block: Block,
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    z_prev: Latents | None,
+    ctx: TPContext,
+    z: Latents,
+) -> tuple[Tensor, PendingAllReduce | None]:
+    """The attention up to ``A_o``'s replicated latent (entered into ``B_o``'s region);
+    adds the q/k/v/o latents to ``z``."""
+    attn, cfg = block.self_attn, ctx.cfg
+    qkv = [getattr(attn, n) for n in QKV]
+    grouped = ctx.grouping
 
     # Region ending at A_qkv: norm folded into the grouped down-projection.
     whole = ctx.comm.size == 1
     # Distinct names: a checkpointed region's closure is re-run in the backward.
-    attn_norm, mlp_norm = block.input_layernorm, block.post_attention_layernorm
+    attn_norm = block.input_layernorm
     parts = ctx.region(
         "qkv",
         lambda x_: _norm_down_partial(
@@ -382,35 +435,27 @@ def block_forward(
     (h_o,), z_o = _latents([attn.o_proj], [p_o], ["o_proj"], z_prev)
     z.update(z_o)
     (h_o,), pending_o = _enter_region([h_o], ctx, "o_proj")
+    return h_o, pending_o
 
-    # Region: B_o writes the residual slice, then the MLP norm folded into the readers' A's
-    # ([A_gate|A_up]).
+
+def _mlp_reads(
+    block: Block,
+    h_o: Tensor,
+    pending_o: PendingAllReduce | None,
+    x: Tensor,
+    downs: Callable[[], list[Tensor]],
+    ctx: TPContext,
+) -> tuple[Tensor, list[Tensor]]:
+    """``B_o`` writes the residual slice, then the MLP norm folded into the ``downs`` (the
+    readers' A's, an MoE router's slice too): one all-reduce. Returns ``(x, normed)``."""
+    attn, mlp_norm = block.self_attn, block.post_attention_layernorm
+    whole = ctx.comm.size == 1
+
     def residual_attn_region(h: Tensor, x_: Tensor) -> tuple[Tensor, ...]:
-        (b_o,) = _up([h], [local(attn.o_proj.up.weight)], grouped, pending_o)
+        (b_o,) = _up([h], [local(attn.o_proj.up.weight)], ctx.grouping, pending_o)
         x_ = x_ + b_o
-        downs = [local(l.down.weight) for l in readers]
         gain = local(mlp_norm.weight)
-        return (x_, *_norm_down_partial(x_, gain, mlp_norm.eps, downs, grouped, whole))
+        return (x_, *_norm_down_partial(x_, gain, mlp_norm.eps, downs(), ctx.grouping, whole))
 
     x, *parts = ctx.region(MLP_READS, residual_attn_region, h_o, x)
-    pre = _reduce_norm_down(tuple(parts), cfg.dim, mlp_norm.eps, ctx, MLP_READS)
-    hs, z_reads = _latents(readers, pre, read_names, z_prev)
-    z.update(z_reads)
-    hs, pending_reads = _enter_region(hs, ctx, MLP_READS)
-
-    # Region: the readers' B's (this rank's slice of f) -> combine -> partial A of the writer.
-    def mlp_region(*h: Tensor) -> Tensor:
-        outs = _up(list(h), [local(l.up.weight) for l in readers], grouped, pending_reads)
-        return F.linear(mlp.combine(*outs), local(writer.down.weight))
-
-    p_d = reduce_from_group(ctx.region(write_name, mlp_region, *hs), ctx.comm, write_name)
-    (h_d,), z_d = _latents([writer], [p_d], [write_name], z_prev)
-    z.update(z_d)
-    (h_d,), pending_d = _enter_region([h_d], ctx, write_name)
-
-    # Region: the writer's B writes the residual slice (continues into the next block's A_qkv).
-    def residual_mlp_region(h: Tensor, x_: Tensor) -> Tensor:
-        (b_down,) = _up([h], [local(writer.up.weight)], grouped, pending_d)
-        return x_ + b_down
-
-    return ctx.region("residual", residual_mlp_region, h_d, x), z
+    return x, _reduce_norm_down(tuple(parts), ctx.cfg.dim, mlp_norm.eps, ctx, MLP_READS)

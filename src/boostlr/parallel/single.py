@@ -5,8 +5,9 @@ through the same loop as the sharded ones (whole-block checkpointing included). 
 ``grouping`` on (the default) a low-rank block runs BTP's block on one rank: the same code as
 at TP > 1, so one device gets BOOST's grouped projections (``[A_q|A_k|A_v]`` and
 ``[A_gate|A_up]`` as one GEMM each, same-shaped B's as one batched GEMM) and every collective
-is a no-op. ``grouping`` off (and the dense model, and an MLP kind BTP's block does not run)
-runs the model's own :meth:`~boostlr.models.llama.Block.compute`, the reference math.
+is a no-op. ``grouping`` off (and the dense model, and an MLP kind other than gated: an MoE
+block keeps its fp32 router here) runs the model's own
+:meth:`~boostlr.models.llama.Block.compute`, the reference math.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from boostlr.models.llama import Block, Latents, LlamaModel
+from boostlr.models.mlp import GATED
 from boostlr.models.params import local
 from boostlr.parallel import btp
 from boostlr.parallel.context import TPContext
@@ -34,7 +36,7 @@ def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
 def block_forward(
     block: Block, x: Tensor, rope: tuple[Tensor, Tensor], z_prev: Latents | None, ctx: TPContext
 ) -> tuple[Tensor, Latents]:
-    if ctx.grouping and ctx.cfg.lowrank and block.mlp.kind in btp.MLP_KINDS:
+    if ctx.grouping and ctx.cfg.lowrank and block.mlp.kind == GATED:
         return btp.block_forward(block, x, rope, z_prev, ctx)
     return block.compute(x, rope, z_prev)
 
