@@ -77,6 +77,11 @@ MOE_LAYOUTS = {
 }
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}
 MOE_ARCHS = [("cola", {}), ("full", {"model.moe_shared": 1, "model.moe_balance": "aux"})]
+# MoE under BTP (latent dispatch; ep 1): (label, pp, dp, tp), cola only (full has no latent).
+MOE_TP_LAYOUTS = {
+    2: [("moe tp2", 1, 1, 2)],
+    4: [("moe dp2tp2", 1, 2, 2), ("moe pp2tp2", 2, 1, 2)],
+}
 
 
 def moe_cases(world: int) -> list[tuple[str, object]]:
@@ -86,6 +91,9 @@ def moe_cases(world: int) -> list[tuple[str, object]]:
     ):
         keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
         cases.append((f"{name} {arch} {dtype}", layout_config(arch, "auto", pp, dp, 1, **keys)))
+    for (name, pp, dp, tp), dtype in itertools.product(MOE_TP_LAYOUTS[world], DTYPES):
+        keys = {**MOE, "model.moe_shared": 1, "train.dtype": dtype}
+        cases.append((f"{name} cola btp {dtype}", layout_config("cola", "btp", pp, dp, tp, **keys)))
     return cases
 
 
@@ -231,6 +239,9 @@ MOE_REFUSED = [
     ({"parallel.dp": 6, "parallel.ep": 3}, "must divide model.moe_experts 4"),
     ({"parallel.dp": 3, "parallel.ep": 2}, "parallel.ep 2 must divide parallel.dp 3"),
     ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_capacity": 1.5}, "dropless dispatch only"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2}, "not supported with parallel.tp"),
+    ({"parallel.tp": 2, "parallel.tp_strategy": "vanilla"}, "runs under tp strategy btp only"),
+    ({"parallel.tp": 2, "model.moe_dispatch": "hidden"}, "moe_dispatch hidden runs on the"),
 ]
 
 
