@@ -219,48 +219,24 @@ class ParallelModel:
     def moe_metrics(self, layers: Sequence[MoEMLP]) -> dict[str, float | int]:
         """The MoE keys of a step row (docs/metrics.md), the same on every rank.
 
-        What ``layers`` recorded since :meth:`MoEMLP.start_stats` is summed over the dp
-        ranks in one all-reduce on the explicit dp group, then read by one host copy: call
-        it on log steps only, on every rank. Empty for a dense model.
+        What ``layers`` recorded since :meth:`MoEMLP.start_stats` goes into one
+        ``[n_layers, E + 2 | forwards, spread, held, aux, bias]`` table, each rank writing
+        its own layers' rows (zeros for the others): summed over dp (the counts), then over
+        pp, so every rank, a stage without an MoE layer too, enters collectives of one
+        shape; then one host copy. Call it on log steps only, on every rank. Empty for a
+        dense model.
         """
-        taken = [(layer, t) for layer in layers if (t := layer.take_stats()) is not None]
-        if self.pipeline is not None and self.cfg.model.moe_experts:
-            return self._pipeline_moe_metrics(taken)
-        if not taken:
+        m = self.cfg.model
+        if not m.moe_experts:
             return {}
-        stats = torch.stack([t[0] for _, t in taken])  # [layers, E + 2]
-        if self.comms.dp.size > 1:
-            dist.all_reduce(stats, group=self.comms.dp.group)
-        spreads = [_bias_spread(layer) for layer, _ in taken]
-        values = torch.cat([stats.reshape(-1), torch.stack(spreads).double()]).tolist()
-        rows = len(taken)
-        width = stats.shape[1]
-        per_layer = [values[i * width : (i + 1) * width] for i in range(rows)]
-        forwards = [t[1] for _, t in taken]
-        return moe_row(
-            [layer.layer_index for layer, _ in taken],
-            per_layer,
-            forwards,
-            values[rows * width :],
-            micro_batches=self.accum,
-            dp=self.comms.dp.size,
-            aux=any(layer.aux_coef for layer, _ in taken),
-            bias=any(layer.router.balance == "bias" for layer, _ in taken),
-        )
-
-    def _pipeline_moe_metrics(
-        self, taken: list[tuple[MoEMLP, tuple[Tensor, int]]]
-    ) -> dict[str, float | int]:
-        """:meth:`moe_metrics` over every stage's layers: each rank writes its layers' rows
-        of one ``[n_layers, E + 2 | forwards, spread, held, aux, bias]`` table (zeros for
-        the others), summed over dp (the counts) then over pp, so every rank, a stage
-        without an MoE layer too, enters collectives of one shape."""
-        m, pieces = self.cfg.model, self.cfg.parallel.pp_microbatches
         width = m.moe_experts + 2
         counts = torch.zeros(m.n_layers, width, dtype=torch.float64, device=self.device)
         extra = torch.zeros(m.n_layers, 5, dtype=torch.float64, device=self.device)
-        for layer, (values, forwards) in taken:
-            i = layer.layer_index
+        for layer in layers:
+            taken = layer.take_stats()
+            if taken is None:
+                continue
+            i, (values, forwards) = layer.layer_index, taken
             counts[i] = values
             extra[i, 0], extra[i, 1], extra[i, 2] = forwards, _bias_spread(layer), 1.0
             extra[i, 3] = float(layer.aux_coef != 0)
@@ -268,12 +244,14 @@ class ParallelModel:
         if self.comms.dp.size > 1:
             dist.all_reduce(counts, group=self.comms.dp.group)
         table = torch.cat([counts, extra], dim=1)
-        dist.all_reduce(table, group=self.comms.pp.group)
+        if self.comms.pp.size > 1:
+            dist.all_reduce(table, group=self.comms.pp.group)
         values = table.tolist()  # the one host read
         held = [i for i, r in enumerate(values) if r[width + 2]]  # the MoE blocks, in order
         rows = [values[i] for i in held]
         if not rows:
             return {}
+        pieces = self.cfg.parallel.pp_microbatches if self.pipeline is not None else 1
         return moe_row(
             held,
             [r[:width] for r in rows],
