@@ -33,6 +33,7 @@ from boostlr.config.validate_moe import moe_dispatch_of
 from boostlr.models.lowrank import LatentCrossing
 from boostlr.models.moe_dispatch import (
     Dispatch,
+    ExpertFn,
     capacity_of,
     dropless,
     expert_counts,
@@ -214,7 +215,7 @@ class MoEMLP(nn.Module):
             z["down_proj"] = None
         else:
             payload = tokens
-        out = self._routed(payload, route)
+        out = self.routed(payload, route)
         if hasattr(self, "shared"):
             out = out + self.shared(payload, None).sum(0)
         if self.latent:
@@ -268,15 +269,20 @@ class MoEMLP(nn.Module):
             self.stats[-1] += self.aux_loss
         self.stat_forwards += 1
 
-    def _routed(self, payload: torch.Tensor, route: Routing) -> torch.Tensor:
+    def routed(
+        self, payload: torch.Tensor, route: Routing, fn: ExpertFn | None = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum per token; ``fn`` stands in for the experts (a
+        runtime that wraps their weights: BTP sums their gradients over TP)."""
+        fn = self.experts if fn is None else fn
         if self.dispatch is not None:
-            return self.dispatch(payload, route.idx, route.weights, self.experts_n, self.experts)
+            return self.dispatch(payload, route.idx, route.weights, self.experts_n, fn)
         if not self.capacity:
-            return dropless(payload, route.idx, route.weights, self.experts_n, self.experts)
+            return dropless(payload, route.idx, route.weights, self.experts_n, fn)
         tokens, k = route.idx.shape
         cap = capacity_of(tokens, k, self.experts_n, self.capacity)
         out, self.dropped = with_capacity(
-            payload, route.idx, route.weights, self.experts_n, cap, self.experts
+            payload, route.idx, route.weights, self.experts_n, cap, fn
         )
         return out
 

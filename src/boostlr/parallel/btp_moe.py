@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from boostlr.models.moe import Latents, MoEMLP
-from boostlr.models.moe_dispatch import ExpertFn, capacity_of, dropless, with_capacity
+from boostlr.models.moe_dispatch import ExpertFn
 from boostlr.models.params import local
 from boostlr.models.placement import chunk_range
 from boostlr.parallel.collectives import (
@@ -79,24 +79,12 @@ def mlp_forward(
     mine = joined[comm.rank * share : (comm.rank + 1) * share]
     route = moe.router.select(mine[:, width:])
     pay = mine[:, :width].to(payload.dtype)
-    out = _routed(moe, pay, route, _summed_over_tp(moe.experts, ctx, "experts"))
+    out = moe.routed(pay, route, _summed_over_tp(moe.experts, ctx, "experts"))
     if hasattr(moe, "shared"):
         out = out + _summed_over_tp(moe.shared, ctx, "shared")(pay, None).sum(0)
     full = gather_from_group(out, comm, COMBINED_TAG, dim=0, grad="reduce_scatter")
     y = F.linear(full, local(moe.down_proj.up.weight)).reshape(*lead, -1)
     return x + moe.account(y, route_all, lead), z
-
-
-def _routed(moe: MoEMLP, payload: Tensor, route, fn: ExpertFn) -> Tensor:
-    """:meth:`MoEMLP._routed` on this rank's share, with ``fn`` as the experts."""
-    if moe.dispatch is not None:
-        return moe.dispatch(payload, route.idx, route.weights, moe.experts_n, fn)
-    if not moe.capacity:
-        return dropless(payload, route.idx, route.weights, moe.experts_n, fn)
-    tokens, k = route.idx.shape
-    cap = capacity_of(tokens, k, moe.experts_n, moe.capacity)
-    out, moe.dropped = with_capacity(payload, route.idx, route.weights, moe.experts_n, cap, fn)
-    return out
 
 
 class _SumGradsOverTP(torch.autograd.Function):
