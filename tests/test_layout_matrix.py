@@ -215,18 +215,16 @@ def check(label: str, cfg, report: dict) -> None:
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_every_arch_and_dtype_matches_one_device(world: int) -> None:
-    cases = matrix_cases(world)
-    per_rank = run_distributed(run_matrix, world, cases, timeout_s=900)
-    configs = dict(cases)
-    for reports in per_rank:
-        assert set(reports) == set(configs)
-        for label, report in reports.items():
-            check(label, configs[label], report)
+    run_and_check(matrix_cases(world), world)
 
 
 @pytest.mark.parametrize("world", sorted(MOE_LAYOUTS))
 def test_moe_layouts_match_one_device(world: int) -> None:
-    cases = moe_cases(world)
+    run_and_check(moe_cases(world), world)
+
+
+def run_and_check(cases: list[tuple[str, object]], world: int) -> None:
+    """Every case on ``world`` real ranks, each rank's report checked against one device."""
     per_rank = run_distributed(run_matrix, world, cases, timeout_s=900)
     configs = dict(cases)
     for reports in per_rank:
