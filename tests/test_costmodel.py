@@ -18,7 +18,7 @@ from distributed import run_distributed
 from parallel_cases import layout_config, resident_bytes, step_once
 
 from boostlr.analysis.costmodel import comm_metrics, predict, state_bytes
-from boostlr.analysis.hardware import load_profile
+from boostlr.analysis.hardware import Link, load_profile
 from boostlr.cli import main
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
@@ -264,6 +264,8 @@ def test_profiles_load_and_user_profiles_win(
         device="cpu",
         attention_efficiency=0.3,
         launch=8e-6,  # a value that survives the µs round trip exactly
+        intra=Link(300e9, 8e-6, 8e-6),
+        inter=Link(25e9, 8e-6, 8e-6),
     )
     (tmp_path / "local.toml").write_text(mine.to_toml())
     assert load_profile("local") == replace(mine, extra={})

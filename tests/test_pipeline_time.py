@@ -111,7 +111,7 @@ def test_programs_follow_the_traced_trainer(schedule: str) -> None:
 
 def test_paper_13b_pipeline_row_is_the_simulated_schedule() -> None:
     """The 13B tp4 x pp2 row: the step is the simulated span of the two stages' chunks
-    (plus the optimizer), and its bubble is between one slowest slot and ``p - 1`` of them
+    (plus the fixed costs in series: optimizer, clipping, accumulation, casts), and its bubble is between one slowest slot and ``p - 1`` of them
     plus the imbalance (the first stage is faster: no head)."""
     hw = load_profile("a100-40gb")
     over = {
@@ -137,7 +137,19 @@ def test_paper_13b_pipeline_row_is_the_simulated_schedule() -> None:
     assert slot * 0.9 < parts["bubble_s"] < slot * 1.1  # one slot: p - 1 = 1
     assert 0 < parts["pp_comm_s"] < 0.05 * pred.step_time
     assert pred.step_time == pytest.approx(
-        4 * slot + parts["bubble_s"] + parts["pp_comm_s"] + parts["optimizer_s"]
+        4 * slot
+        + parts["bubble_s"]
+        + parts["pp_comm_s"]
+        + sum(
+            parts[k]
+            for k in (
+                "optimizer_s",
+                "clip_s",
+                "zero_grad_s",
+                "grad_accumulation_s",
+                "weight_cast_s",
+            )
+        )
     )
 
 

@@ -1,4 +1,4 @@
-"""Time of one pipeline rank's chunks: a micro-batch's forward and backward, the optimizer.
+"""Time of one pipeline rank's chunks: a micro-batch's forward and backward.
 
 The per-kernel and per-collective terms of the step-time model (``costmodel`` composes them
 into a step, ``schedule`` into a pipeline's span):
@@ -9,9 +9,11 @@ into a step, ``schedule`` into a pipeline's span):
   a launch per kernel (each GEMM, and ``gemms.block_kernels``' estimate of the rest);
 * TP collectives on the autograd critical path, in the chunk that issues them (a forward's
   delay the next stage too);
-* alpha-beta collectives (ring all-reduce ``2(g-1)(alpha + n/(g*B))``, all-gather and
-  reduce-scatter half of that) on the intra- or inter-node link the group spans;
-* the optimizer step as the trainer runs it: clipping, then fused AdamW.
+* alpha-beta collectives (ring all-reduce ``base + 2(g-1)·alpha + 2(g-1)/g · n/B``,
+  all-gather and reduce-scatter ``g-1`` steps) on the intra- or inter-node link the group
+  spans;
+* a launch per kernel, eager or compiled (``train.compile``); the step's fixed costs
+  (optimizer, clipping, casts, accumulation) are :mod:`boostlr.analysis.fixed`'s.
 """
 
 from __future__ import annotations
@@ -31,17 +33,10 @@ from boostlr.analysis.gemms import (
     head_kernels,
 )
 from boostlr.analysis.hardware import HardwareProfile
-from boostlr.analysis.memory import FP32, RankParams, stage_modules
+from boostlr.analysis.memory import FP32, stage_modules
 from boostlr.analysis.moe import is_moe_layer
 from boostlr.config import ModelConfig, ParallelConfig, RunConfig
 from boostlr.specs.arch import arch_spec
-
-# The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
-# foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on
-# DTensor shards alike. fp32 bytes per parameter, every operand read and every result written
-# once (tests/test_costmodel.py checks torch dispatches one kernel for it):
-FUSED_ADAMW_BYTES = 28  # one kernel: read p, g, m, v; write p, m, v
-CLIP_PASSES = (4, 8)  # _foreach_norm (read g), then clip_grads_with_norm_'s _foreach_mul_
 
 
 def act_size(cfg: RunConfig) -> int:
@@ -56,9 +51,11 @@ def microbatching(cfg: RunConfig) -> tuple[int, int, int]:
 
 
 def gemm_time(g: Gemm, hw: HardwareProfile, dtype: str, elem: int) -> float:
-    """Roofline time of one (batched) GEMM plus its launch."""
-    eff = hw.gemm_eff(g.m, g.k, g.n)
-    if g.kind == "attention":
+    """Roofline time of one (batched) GEMM plus its launch; a linear's tiles run in waves
+    over the SMs (flash attention's own tiling is left in ``attention_efficiency``)."""
+    attention = g.kind == "attention"
+    eff = hw.gemm_eff(g.m, g.k, g.n, g.count, waves=not attention)
+    if attention:
         eff *= hw.attention_efficiency
     compute = g.flops / (hw.flops(dtype) * eff)
     memory = g.bytes(elem) / hw.hbm_bandwidth  # the roofline: the bandwidth itself
@@ -67,6 +64,12 @@ def gemm_time(g: Gemm, hw: HardwareProfile, dtype: str, elem: int) -> float:
 
 def memory_time(nbytes: float, hw: HardwareProfile, kernels: int = 0) -> float:
     return nbytes / (hw.hbm_bandwidth * hw.memory_efficiency) + kernels * hw.launch
+
+
+def stream_time(nbytes: float, hw: HardwareProfile, kernels: int = 0) -> float:
+    """A long streaming pass (optimizer, casts, accumulation) at the card's STREAM-type
+    bandwidth, not the element-wise fit."""
+    return nbytes / (hw.hbm_bandwidth * hw.stream_efficiency) + kernels * hw.launch
 
 
 def elementwise_time(
@@ -87,15 +90,29 @@ def link_bandwidth(hw: HardwareProfile, group: int, span: int) -> tuple[float, f
     return bw, link.latency
 
 
+def _ring_steps(op: str, group: int) -> int:
+    return 2 * (group - 1) if op == "all_reduce" else group - 1
+
+
+def collective_alpha(op: str, calls: int, group: int, span: int, hw: HardwareProfile) -> float:
+    """The size-independent part of ``calls`` ring collectives (α): per call the link's base
+    latency, a per-step latency for each of the ring's steps, and a launch (NCCL's own cost
+    model, ``src/graph/tuning.cc``: ``baseLat + nsteps · hwLat``)."""
+    if group <= 1 or calls == 0:
+        return 0.0
+    link = hw.link(span)
+    return calls * (link.base_latency + _ring_steps(op, group) * link.latency + hw.launch)
+
+
 def collective_time(
     op: str, nbytes: float, calls: int, group: int, span: int, hw: HardwareProfile
 ) -> float:
-    """Ring algorithms; ``nbytes`` is the ledger's payload (the full buffer)."""
+    """Ring algorithms, α + β; ``nbytes`` is the ledger's payload (the full buffer)."""
     if group <= 1 or calls == 0:
         return 0.0
-    bw, alpha = link_bandwidth(hw, group, span)
-    steps = 2 * (group - 1) if op == "all_reduce" else group - 1
-    return calls * (steps * alpha + hw.launch) + steps / group * nbytes / bw
+    bw, _ = link_bandwidth(hw, group, span)
+    beta = _ring_steps(op, group) / group * nbytes / bw
+    return collective_alpha(op, calls, group, span, hw) + beta
 
 
 @dataclass
@@ -108,6 +125,8 @@ class StageTime:
     tp_comm: float = 0.0
     flops: float = 0.0
     tp_comm_fwd: float = 0.0  # the forward's share of ``tp_comm`` (it delays the next stage)
+    tp_alpha: float = 0.0  # the latency (α) share of ``tp_comm``
+    kernels: int = 0  # kernels launched (GEMMs, element-wise, collectives), recompute included
 
     @property
     def forward(self) -> float:
@@ -139,7 +158,8 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
     out = StageTime()
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         fwd = bwd = 0.0
-        per_layer: dict[tuple[bool, bool], tuple[float, float, float]] = {}
+        kernels_fwd = kernels_all = 0
+        per_layer: dict[tuple[bool, bool], tuple[float, float, float, int, int]] = {}
         for layer in layers:
             # A crossing arch's block 0 has no crossing gate; an MoE model's first
             # ``moe_dense_layers`` blocks keep the dense MLP.
@@ -149,16 +169,22 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
                 back = [b for g in gemms for b in backward(g)]
                 ew = block_elementwise(m, strategy, p.tp, tokens, a, layer, p.grouping, overlap)
                 kernels = block_kernels(m, strategy, p.tp, layer, p.grouping, p.ep)
+                if cfg.train.compile:  # each region one graph: a fused kernel per GEMM
+                    kernels = compiled_kernels(len(gemms), len(back))
                 ew_f, ew_b = elementwise_time(ew, kernels, hw)
                 per_layer[key] = (
                     sum(gemm_time(g, hw, dtype, a) for g in gemms) + ew_f,
                     sum(gemm_time(b, hw, dtype, a) for b in back) + ew_b,
                     sum(g.flops for g in gemms) + sum(b.flops for b in back),
+                    len(gemms) + kernels[0],
+                    len(back) + kernels[1],
                 )
-            f_time, b_time, flops = per_layer[key]
+            f_time, b_time, flops, k_fwd, k_bwd = per_layer[key]
             fwd, bwd, out.flops = fwd + f_time, bwd + b_time, out.flops + flops
+            kernels_fwd, kernels_all = kernels_fwd + k_fwd, kernels_all + k_fwd + k_bwd
         if p.act_ckpt != "none":  # every GEMM of a block sits in a checkpointed region
             out.recompute += fwd
+            kernels_all += kernels_fwd
         if last:  # with the embedding and the RoPE tables (a first stage's, a few %)
             head = head_gemms(m, strategy, p.tp, tokens)
             fwd += sum(gemm_time(g, hw, dtype, a) for g in head)
@@ -168,8 +194,10 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
             kernels = head_kernels(m, strategy, p.tp, tokens, fused)
             ew_f, ew_b = elementwise_time(head_ew, kernels, hw)
             fwd, bwd = fwd + ew_f, bwd + ew_b
+            kernels_all += 3 * len(head) + sum(kernels)
         out.fwd += fwd
         out.bwd += bwd
+        out.kernels += kernels_all
         if strategy is not None and p.tp > 1:
             vol = stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
             # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
@@ -179,24 +207,16 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
                 "all_reduce", vol.bwd + vol.recompute, vol.calls_bwd + vol.calls_recompute,
                 p.tp, p.tp, hw,
             )  # fmt: skip
+            out.tp_alpha += collective_alpha("all_reduce", vol.calls, p.tp, p.tp, hw)
+            out.kernels += vol.calls
     return out
 
 
-def optimizer_time(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> float:
-    """Gradient clipping and the AdamW step on one rank's shard, as the trainer runs them.
-
-    Memory-bound passes over the fp32 shard: the clipping norm and scale, then one fused
-    AdamW kernel (DTensor shards included). The clipping norm is all-reduced (a scalar) over
-    every mesh dim of size > 1.
-    """
-    p = cfg.parallel
-    shard = params.sharded if p.dp > 1 else params.local
-    clip = CLIP_PASSES if cfg.train.grad_clip > 0 else CLIP_PASSES[:1]  # the norm is logged
-    step = memory_time(sum(clip) * shard, hw, len(clip))
-    step += memory_time(FUSED_ADAMW_BYTES * shard, hw, 1)  # one op over the tensor list
-    for size, span in ((p.tp, p.tp), (p.dp, p.tp * p.dp), (p.pp, p.world_size)):
-        step += collective_time("all_reduce", FP32, 1, size, span, hw)
-    return step
+def compiled_kernels(gemms_fwd: int, gemms_bwd: int) -> tuple[int, int]:
+    """Non-GEMM kernels of a block under ``train.compile``: inductor fuses each
+    collective-free region's element-wise work into the kernels between its GEMMs, about
+    one per GEMM (an estimate, forward and backward; the bytes are not reduced)."""
+    return gemms_fwd, gemms_bwd
 
 
 def stage_volume(

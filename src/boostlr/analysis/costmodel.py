@@ -15,7 +15,10 @@ formulas the tests check against the ledger of real runs (``comm_metrics`` is ex
   (how each schedule is timed is its spec's, ``specs/schedule.py``);
 * overlap: FSDP's traffic beyond the step's compute (plus one module's) is exposed; under a
   pipeline in ``ddp`` mode the stage's gradient reduction after the last backward is exposed
-  whole.
+  whole;
+* the step's fixed costs (:mod:`boostlr.analysis.fixed`: optimizer, clipping, gradient
+  accumulation, weight casts) in series after the schedule; the launches and the collective
+  latency (α) inside the times above are reported as their share (``fixed``).
 """
 
 from __future__ import annotations
@@ -23,17 +26,15 @@ from __future__ import annotations
 import copy
 
 from boostlr.analysis.chunktime import (
-    CLIP_PASSES,
-    FUSED_ADAMW_BYTES,
     StageTime,
     act_size,
+    collective_alpha,
     collective_time,
     elementwise_time,
     gemm_time,
     link_bandwidth,
     memory_time,
     microbatching,
-    optimizer_time,
     stage_time,
     stage_volume,
 )
@@ -44,6 +45,13 @@ from boostlr.analysis.comm import (
     pp_send_bytes,
     vocab_dp,
     vocab_dp_bytes,
+)
+from boostlr.analysis.fixed import (
+    CLIP_PASSES,
+    FUSED_ADAMW_BYTES,
+    fixed_parts,
+    kernel_mode,
+    optimizer_time,
 )
 from boostlr.analysis.gemms import block_gemms
 from boostlr.analysis.hardware import HardwareProfile
@@ -88,6 +96,7 @@ __all__ = [  # the time primitives live in chunktime; callers import them from h
     "link_bandwidth",
     "memory_time",
     "optimizer_time",
+    "fixed_parts",
     "stage_time",
     "comm_metrics",
     "memory_breakdown",
@@ -297,11 +306,12 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     slowest = max(stages, key=lambda st: st.total)
     busy = steps * mb * slowest.total  # the slowest rank's chunks
     if p.pp == 1:
-        bubble = pp_comm = 0.0
+        bubble = pp_comm = pp_alpha = 0.0
     else:
         one = pp_send_bytes(m, strategy, p.tp, seqs * cfg.data.seq_len, 1, False, True, a)
         bw, alpha = link_bandwidth(hw, 2, p.world_size)
-        hop = alpha + hw.launch + one / bw  # one boundary, either way (a grad is its act's size)
+        hop_alpha = hw.link(p.world_size).base_latency + alpha + hw.launch
+        hop = hop_alpha + one / bw  # one boundary, either way (a grad is its act's size)
         if schedule_spec(p.pp_schedule).timing == VIRTUAL_SLOTS:  # one hop each way per slot
             span0 = interleaved_span(mb, v, p.pp, slowest.total)
             span = span0 + (mb * v + p.pp - 1) * 2 * hop
@@ -311,13 +321,14 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             span = pipeline_span(p.pp_schedule, mb, fwd, bwd, {"act": hop, "grad": hop})
         bubble = steps * span0 - busy  # idle waiting for neighbours (fill, drain, imbalance)
         pp_comm = steps * (span - span0)  # transfers on the critical path
+        pp_alpha = pp_comm * hop_alpha / hop
     tp_comm = steps * mb * slowest.tp_comm
     compute_only = steps * mb * slowest.compute
     # Data parallel: the slowest edge rank's FSDP traffic; hidden behind compute except the
     # first gather and the last reduce-scatter (one module's share). The traffic of a
     # vocabulary split over dp carries activations the next op waits for: all exposed.
     dp_exposed = 0.0
-    dp_total = 0.0
+    dp_total = dp_alpha = 0.0
     params = {r: rank_params(m, strategy, p, r) for r in ranks}
     if p.dp > 1:
         for r in ranks:
@@ -330,6 +341,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
                 calls = steps * modules * 2
             span = p.dp * p.tp
             t_dp = collective_time("all_gather", nbytes, calls, p.dp, span, hw)
+            alpha_dp = collective_alpha("all_gather", calls, p.dp, span, hw)
             exposed = max(0.0, t_dp - compute_only) + t_dp / modules
             if p.pp > 1 and p.data_parallel_mode != "fsdp":
                 t_dp, exposed = _reduce_after_schedule(cfg, hw, params[r], nbytes, compute_only)
@@ -339,14 +351,26 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
                 )
                 t_vocab = collective_time("all_gather", vocab, steps * mb * edges, p.dp, span, hw)
                 t_dp, exposed = t_dp + t_vocab, exposed + t_vocab
+                alpha_dp += collective_alpha("all_gather", steps * mb * edges, p.dp, span, hw)
             if exposed > dp_exposed:
-                dp_exposed, dp_total = exposed, t_dp
-    optimizer = max(optimizer_time(cfg, hw, params[r]) for r in ranks)
-    compute = compute_only + optimizer
+                dp_exposed, dp_total, dp_alpha = exposed, t_dp, alpha_dp
+    fixed = max((fixed_parts(cfg, hw, params[r]) for r in ranks), key=lambda f: sum(f.values()))
+    serial = sum(fixed.values())  # optimizer, clipping, accumulation, casts: in series
+    compute = compute_only + serial
     moe_parts = moe_comm_times(cfg, hw, params[0]) if is_moe(m) else {}
-    moe_comm = sum(moe_parts.values())  # on the critical path: none overlaps compute
-    comm = tp_comm + pp_comm + dp_exposed + moe_comm
-    step = busy + bubble + pp_comm + dp_exposed + optimizer + moe_comm
+    moe_comm = sum(v for k, v in moe_parts.items() if not k.endswith("_alpha_s"))
+    comm = tp_comm + pp_comm + dp_exposed + moe_comm  # moe's: none overlaps compute
+    step = busy + bubble + pp_comm + dp_exposed + serial + moe_comm
+    launch = steps * mb * slowest.kernels * hw.launch
+    alphas = {
+        "tp_alpha_s": steps * mb * slowest.tp_alpha,
+        "pp_alpha_s": pp_alpha,
+        "dp_alpha_s": dp_alpha,
+        "ep_alpha_s": moe_parts.get("ep_alpha_s", 0.0),
+    }
+    # What does not shrink with the micro-batch: the serial terms, the launches, and the
+    # latency of the collectives on the critical path (dp's only as far as it is exposed).
+    fixed_s = serial + launch + sum(alphas.values()) - dp_alpha + min(dp_alpha, dp_exposed)
     memories = {r: memory_breakdown(cfg, hw, r) for r in ranks}
     worst = max(memories.values(), key=lambda mem: sum(mem.values()))
     tokens = cfg.train.batch_size * cfg.data.seq_len
@@ -363,13 +387,13 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         parts={
             "gemm_elementwise_s": steps * mb * (slowest.fwd + slowest.bwd),
             "recompute_s": steps * mb * slowest.recompute,
-            "optimizer_s": optimizer,
+            **fixed,
             "tp_comm_s": tp_comm,
             "pp_comm_s": pp_comm,
             "dp_comm_s": dp_total,
             "dp_comm_exposed_s": dp_exposed,
             "bubble_s": bubble,
-            **moe_parts,
+            **{k: v for k, v in moe_parts.items() if not k.endswith("_alpha_s")},
         },
         memory=worst,
         fits=sum(worst.values()) <= hw.memory,
@@ -390,6 +414,16 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
         ],
         flops_per_rank=steps * mb * slowest.flops,
         moe=moe_summary(m, p, comm_metrics(cfg)["comm_ep_bytes"]) if is_moe(m) else None,
+        fixed={
+            **fixed,
+            "launch_s": launch,
+            **alphas,
+            "fixed_s": fixed_s,
+            "fixed_share": fixed_s / step if step else 0.0,
+            "kernels_per_step": steps * mb * slowest.kernels,
+            "kernel_mode": kernel_mode(cfg),
+            "launch_us": hw.launch * 1e6,
+        },
     )
 
 
@@ -406,7 +440,11 @@ def moe_comm_times(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> d
     rep = collective_time(
         "all_reduce", metrics["comm_dp_rep_bytes"], experts, dp_rep(p), p.dp * p.tp, hw
     )
-    return {"ep_comm_s": ep, "dp_rep_comm_s": rep if params.experts else 0.0}
+    return {
+        "ep_comm_s": ep,
+        "dp_rep_comm_s": rep if params.experts else 0.0,
+        "ep_alpha_s": collective_alpha("all_to_all", calls, p.ep, p.ep * p.tp, hw),
+    }
 
 
 def _all_stage_times(cfg: RunConfig, hw: HardwareProfile) -> list[StageTime]:

@@ -13,6 +13,7 @@ shipped one; ``--hardware path/to/file.toml`` reads one file directly.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,10 @@ class Link:
 
     bandwidth: float  # bytes/s per GPU per direction
     latency: float  # seconds per message step
+    # Seconds per collective call whatever its size or group (NCCL's own cost model:
+    # ``baseLat`` beside the per-step ``hwLat``; 0 for a calibrated link, whose fitted
+    # ``latency`` holds it).
+    base_latency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,13 @@ class HardwareProfile:
     # Fraction of the GEMM roofline the attention kernels reach (flash attention on a GPU is
     # close to GEMM speed; a CPU's is not).
     attention_efficiency: float = 1.0
+    # Achieved fraction of ``hbm_bandwidth`` of a long streaming pass (the optimizer, the
+    # weight casts, gradient accumulation): a STREAM-type figure, not the element-wise fit.
+    stream_efficiency: float = 1.0
+    # Streaming multiprocessors and the GEMM output tile: the last wave of tiles runs on
+    # part of the chip (wave quantization). 0 SMs: not modelled (a CPU).
+    sm_count: int = 0
+    gemm_tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 128), (128, 64))
     device: str = "gpu"  # what was measured: "gpu" (shipped, or calibrated on CUDA) or "cpu"
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -77,9 +89,30 @@ class HardwareProfile:
             )
         return self.peak_flops[dtype]
 
-    def gemm_eff(self, m: float, k: float, n: float) -> float:
+    def gemm_eff(self, m: float, k: float, n: float, count: int = 1, waves: bool = True) -> float:
+        """Fraction of peak of ``count`` GEMMs ``[m, k] @ [k, n]`` (one batched kernel): the
+        large-GEMM fraction, falling for small dims, times the wave quantization of their
+        output tiles (``waves``: a cuBLAS-style tiled kernel)."""
         h = self.gemm_half_dim
-        return self.gemm_efficiency * (m / (m + h)) * (k / (k + h)) * (n / (n + h))
+        eff = self.gemm_efficiency * (m / (m + h)) * (k / (k + h)) * (n / (n + h))
+        return eff * self.wave_efficiency(m, k, n, count) if waves else eff
+
+    def wave_efficiency(self, m: float, k: float, n: float, count: int = 1) -> float:
+        """Useful tiles over the tile slots of the waves a GEMM's output occupies: a
+        ``[m, n]`` output is ``ceil(m/tm)·ceil(n/tn)`` tiles, run ``sm_count`` at a time
+        (NVIDIA's matrix-multiplication performance guide: tile and wave quantization), with
+        the library's best tile of ``gemm_tiles``. A grid smaller than the chip is split
+        along ``k`` (split-K, as cuBLAS does for such shapes) into as many parts as fill it,
+        each at least a tile deep."""
+        if self.sm_count < 1:
+            return 1.0
+        best = 0.0
+        for tm, tn in self.gemm_tiles:
+            tiles = math.ceil(m / tm) * math.ceil(n / tn) * count
+            split = max(1, min(self.sm_count // tiles, int(k // tm)))
+            waves = math.ceil(tiles * split / self.sm_count)
+            best = max(best, m * n * count * split / (waves * self.sm_count * tm * tn))
+        return best
 
     def link(self, group_span: int) -> Link:
         """The slowest link a group spanning ``group_span`` consecutive ranks uses."""
@@ -102,6 +135,9 @@ class HardwareProfile:
                 "memory_efficiency": self.memory_efficiency,
                 "attention_efficiency": self.attention_efficiency,
                 "launch_us": self.launch * 1e6,
+                "stream_efficiency": self.stream_efficiency,
+                "sm_count": self.sm_count,
+                "gemm_tiles": [list(t) for t in self.gemm_tiles],
             },
             "intra_node": {
                 "bandwidth_gbps": self.intra.bandwidth / GB,
@@ -109,8 +145,9 @@ class HardwareProfile:
             },
             "inter_node": {"bandwidth_gbps": self.inter.bandwidth / GB},
         }
-        data["intra_node"]["latency_us"] = self.intra.latency * 1e6
-        data["inter_node"]["latency_us"] = self.inter.latency * 1e6
+        for key, link in (("intra_node", self.intra), ("inter_node", self.inter)):
+            data[key]["latency_us"] = link.latency * 1e6
+            data[key]["base_latency_us"] = link.base_latency * 1e6
         if self.extra:
             data["measurements"] = self.extra
         return dumps(data)
@@ -145,14 +182,11 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
             gemm_half_dim=float(_req(compute, "gemm_half_dim", where)),
             memory_efficiency=float(_req(compute, "memory_efficiency", where)),
             launch=float(compute.get("launch_us", 0.0)) * 1e-6,
-            intra=Link(
-                float(_req(intra, "bandwidth_gbps", where)) * GB,
-                float(_req(intra, "latency_us", where)) * 1e-6,
-            ),
-            inter=Link(
-                float(_req(inter, "bandwidth_gbps", where)) * GB,
-                float(_req(inter, "latency_us", where)) * 1e-6,
-            ),
+            intra=_link(intra, where),
+            inter=_link(inter, where),
+            stream_efficiency=float(compute.get("stream_efficiency", 1.0)),
+            sm_count=int(compute.get("sm_count", 0)),
+            gemm_tiles=_tiles(compute.get("gemm_tiles", [[256, 128], [128, 128], [128, 64]])),
             intra_mesh=_topology(intra.get("topology", "switch"), where),
             attention_efficiency=float(compute.get("attention_efficiency", 1.0)),
             device=_device(data.get("device", "gpu"), where),
@@ -160,6 +194,18 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"hardware profile {where}: bad value ({exc})") from None
+
+
+def _tiles(value: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((int(m), int(n)) for m, n in value)
+
+
+def _link(data: dict[str, Any], where: str) -> Link:
+    return Link(
+        float(_req(data, "bandwidth_gbps", where)) * GB,
+        float(_req(data, "latency_us", where)) * 1e-6,
+        float(data.get("base_latency_us", 0.0)) * 1e-6,
+    )
 
 
 def _memory(data: dict[str, Any], where: str) -> float:

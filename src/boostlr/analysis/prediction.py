@@ -27,6 +27,9 @@ class Prediction:
     gemms: list[dict[str, Any]] = field(default_factory=list)
     flops_per_rank: float = 0.0
     moe: dict[str, Any] | None = None  # an MoE model's routing figures (moe_summary)
+    # The step's fixed costs (analysis/fixed.py) and the launch and α shares, seconds; the
+    # kernel count per step and whether it assumes eager or compiled kernels.
+    fixed: dict[str, Any] = field(default_factory=dict)
 
     @property
     def memory_total(self) -> float:
@@ -54,6 +57,7 @@ class Prediction:
             "comm_bytes_per_step": self.comm_bytes,
             "flops_per_rank": self.flops_per_rank,
             "layout": self.layout,
+            "fixed": self.fixed,
             **({"moe": self.moe} if self.moe is not None else {}),
         }
 

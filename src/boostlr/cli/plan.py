@@ -94,6 +94,7 @@ def run(args: argparse.Namespace, call: Call) -> None:
         else:
             preds = [c.prediction for c in cands]
             print_rows(preds, hw, f"best layouts of {args.gpus} x {hw.name}")
+            print_fixed(preds)
     else:
         rows = plan.strategy_rows(cfg, hw)
         traced = None
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace, call: Call) -> None:
             print(json.dumps(out, indent=2))
         else:
             print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+            print_fixed(rows)
             if traced is not None:
                 from boostlr.trace.compare import format_trace
 
@@ -118,6 +120,40 @@ def run(args: argparse.Namespace, call: Call) -> None:
 
         draw(plot_data(cfg, hw, args.gpus if args.search else None), Path(args.plot))
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+
+
+FIXED_TERMS = (  # (key of Prediction.fixed, label)
+    ("optimizer_s", "AdamW"),
+    ("clip_s", "clip"),
+    ("zero_grad_s", "zero_grad"),
+    ("grad_accumulation_s", "grad accum"),
+    ("weight_cast_s", "bf16 casts"),
+    ("launch_s", "launches"),
+    ("tp_alpha_s", "tp α"),
+    ("pp_alpha_s", "pp α"),
+    ("dp_alpha_s", "dp α"),
+    ("ep_alpha_s", "ep α"),
+)
+
+
+def print_fixed(rows: list) -> None:
+    """Each row's fixed per-step costs (``analysis/fixed.py``): what does not shrink with
+    the micro-batch, and its share of the step."""
+    if not rows or not rows[0].fixed:
+        return
+    mode = rows[0].fixed["kernel_mode"]
+    print(
+        f"fixed costs per step (seconds; {mode} kernels at "
+        f"{rows[0].fixed['launch_us']:.1f} µs each, train.compile decides):"
+    )
+    for r in rows:
+        f = r.fixed
+        terms = ", ".join(f"{label} {f[k]:.4f}" for k, label in FIXED_TERMS if f.get(k))
+        print(
+            f"  {r.arch} {r.strategy or '(tp 1)'}: {f['fixed_s']:.3f} s = "
+            f"{100 * f['fixed_share']:.0f}% of the step ({terms}; "
+            f"{f['kernels_per_step']} kernels)"
+        )
 
 
 COMMAND = Command("plan", add_parser, run, takes_overrides=True)
