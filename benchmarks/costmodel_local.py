@@ -6,8 +6,10 @@ predictions are not its job; what it should get right is how the strategies comp
 the ``local`` profile (``boostlr calibrate`` on this machine), the predicted step times of
 ``full`` + ``megatron``, ``cola`` + ``vanilla`` and ``cola`` + ``btp`` at TP 2 on two gloo CPU
 ranks are divided by BTP's, and so are the measured ones; the script prints both ratios and
-their agreement. One launch builds the three models (``ParallelModel``, the trainer's path)
-and times them in interleaved rounds, so machine noise hits all three alike. A step is what
+their agreement, at each ``--batch-sizes`` micro-batch size (default 1, 2, 4, 8 sequences:
+the fixed per-step costs' share grows as the micro-batch shrinks, issue 47). One launch builds
+the models (``ParallelModel``, the trainer's path) and times them in interleaved rounds, so
+machine noise hits all of them alike. A step is what
 the trainer times: zero_grad, forward + backward, gradient clipping, AdamW; the median over
 ``--steps`` rounds after ``--warmup``, barrier to barrier (the slower rank's time). ``rank
 CPU s`` is the main thread's CPU time over the same step (the busier rank).
@@ -16,7 +18,8 @@ Each rank uses the profile's torch thread count (``[measurements] threads``). Wi
 ``local`` profile it runs ``boostlr calibrate`` first (~15 s); ``--calibrate`` recalibrates
 first, for a machine whose speed drifts.
 
-    python benchmarks/costmodel_local.py [--calibrate] [--preset 60M] [--seq-len 128]
+    python benchmarks/costmodel_local.py [--calibrate] [--preset 60M] [--seq-len 128] \
+        [--batch-sizes 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ STRATEGIES = [("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")]
 TP = 2
 
 
-def config(args: argparse.Namespace, arch: str, strategy: str) -> RunConfig:
+def config(args: argparse.Namespace, arch: str, strategy: str, batch: int) -> RunConfig:
+    args = argparse.Namespace(**{**vars(args), "batch_size": batch})
     extra = {
         "train.dtype": "float32",
         "parallel.tp": TP,
@@ -62,14 +66,14 @@ def rank_entry(cfg_dicts: list[dict], threads: int, steps: int, warmup: int) -> 
     torch.set_num_threads(threads)  # after init_distributed, which applies OMP_NUM_THREADS
     keep_freed_host_memory()  # as the trainer on CPU (train.cpu_alloc_cache, default on)
     parts = [Part.build(cfg, device) for cfg in cfgs]
-    inputs, targets = random_batch(
-        cfgs[0].model.vocab_size, cfgs[0].train.batch_size, cfgs[0].data.seq_len, device
-    )
+    batches = [
+        random_batch(c.model.vocab_size, c.train.batch_size, c.data.seq_len, device) for c in cfgs
+    ]
 
     times: list[list[float]] = [[] for _ in parts]
     cpu: list[list[float]] = [[] for _ in parts]
     for i in range(warmup + steps):
-        for j, part in enumerate(parts):
+        for j, (part, (inputs, targets)) in enumerate(zip(parts, batches, strict=True)):
             wall, busy = timed_step(part, inputs, targets)
             if i >= warmup:
                 times[j].append(wall)
@@ -96,7 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--batch-sizes", default="1,2,4,8", help="sequences per micro-batch, comma-separated"
+    )
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--act-ckpt", default="none", choices=["none", "block"])
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (median)")
@@ -125,7 +131,8 @@ def main() -> None:
             f"warning: {TP} ranks x {threads} threads (the profile's) on {cores} cores: the "
             "ranks compete for cores and the measurement is slower than the model"
         )
-    cfgs = [config(args, arch, strategy) for arch, strategy in STRATEGIES]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    cfgs = [config(args, a, s, b) for b in sizes for a, s in STRATEGIES]
     predicted = [predict(cfg, hw) for cfg in cfgs]
     measured = launch(TP, rank_entry, [to_dict(c) for c in cfgs], threads, args.steps, args.warmup)
     slowest = [max(r["median_s"][i] for r in measured.values()) for i in range(len(cfgs))]
@@ -134,36 +141,32 @@ def main() -> None:
     m = cfgs[1].model
     print(
         f"\n# costmodel_local: {args.preset} (d {m.dim}, {m.n_layers} layers, rank {m.rank}), "
-        f"seq {args.seq_len}, batch {args.batch_size}, vocab {args.vocab}, fp32, act_ckpt "
+        f"seq {args.seq_len}, micro-batches {sizes}, vocab {args.vocab}, fp32, act_ckpt "
         f"{args.act_ckpt}, TP {TP} on {TP} gloo ranks x {threads} thread(s), {cores} cores; "
-        f"median of {args.steps} after {args.warmup} warm-up; profile: {hw.source}"
+        f"median of {args.steps} after {args.warmup} warm-up; load {os.getloadavg()[0]:.1f}; "
+        f"profile: {hw.source}"
     )
     header = (
-        f"{'strategy':<18}{'predicted s':>12}{'measured s':>12}{'rank CPU s':>12}"
-        f"{'pred / btp':>12}{'meas / btp':>12}{'agreement':>11}"
+        f"{'mb':>3} {'strategy':<18}{'predicted s':>12}{'measured s':>12}{'rank CPU s':>12}"
+        f"{'pred / btp':>12}{'meas / btp':>12}{'agreement':>11}{'fixed %':>9}"
     )
     print(header)
     print("-" * len(header))
     btp = STRATEGIES.index(("cola", "btp"))
     worst = 0.0
-    for i, ((arch, strategy), pred, meas, cpu) in enumerate(
-        zip(STRATEGIES, predicted, slowest, busiest, strict=True)
-    ):
-        rp, rm = pred.step_time / predicted[btp].step_time, meas / slowest[btp]
-        if i != btp:
-            worst = max(worst, abs(rp / rm - 1))
-        print(
-            f"{arch + ' + ' + strategy:<18}{pred.step_time:>12.4f}{meas:>12.4f}{cpu:>12.4f}"
-            f"{rp:>12.2f}{rm:>12.2f}{rp / rm:>11.2f}"
-        )
-    order_p = sorted(range(3), key=lambda i: predicted[i].step_time)
-    order_m = sorted(range(3), key=lambda i: slowest[i])
-    print(
-        f"largest |ratio pred / ratio meas - 1|: {worst:.0%}; ordering "
-        f"{'agrees' if order_p == order_m else 'differs'} (predicted "
-        f"{' < '.join(STRATEGIES[i][1] for i in order_p)}, measured "
-        f"{' < '.join(STRATEGIES[i][1] for i in order_m)})"
-    )
+    n = len(STRATEGIES)
+    for g, batch in enumerate(sizes):
+        pred, meas = predicted[g * n : (g + 1) * n], slowest[g * n : (g + 1) * n]
+        for i, (arch, strategy) in enumerate(STRATEGIES):
+            rp, rm = pred[i].step_time / pred[btp].step_time, meas[i] / meas[btp]
+            if i != btp:
+                worst = max(worst, abs(rp / rm - 1))
+            print(
+                f"{batch:>3} {arch + ' + ' + strategy:<18}{pred[i].step_time:>12.4f}"
+                f"{meas[i]:>12.4f}{busiest[g * n + i]:>12.4f}{rp:>12.2f}{rm:>12.2f}"
+                f"{rp / rm:>11.2f}{100 * pred[i].fixed['fixed_share']:>9.0f}"
+            )
+    print(f"largest |ratio pred / ratio meas - 1| over every micro-batch size: {worst:.0%}")
 
 
 if __name__ == "__main__":

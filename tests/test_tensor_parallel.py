@@ -87,6 +87,14 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+#: BTP with the embedding tied to the head (split as the head: vocabulary-parallel lookup,
+#: reduce-scattered to d-slices); grouped and not, with and without recompute.
+TIED_BTP_CASES = [
+    dict(arch="cola", strategy="btp", tie=True, act_ckpt="lowrank"),
+    dict(arch="lax", strategy="btp", tie=True, grouping=False, act_ckpt="none"),
+]
+
+
 def matrix(tp: int) -> list[dict]:
     """Every arch x its strategies x options that apply to it."""
     cases = [dict(arch="full", strategy="megatron", act_ckpt=ckpt) for ckpt in ("none", "block")]
@@ -102,6 +110,7 @@ def matrix(tp: int) -> list[dict]:
     cases.append(dict(arch="lax", strategy="vanilla", lax_gate="full", act_ckpt="none"))
     cases.append(dict(arch="full", strategy="megatron", tie=True, act_ckpt="none"))
     cases.append(dict(arch="cola", strategy="vanilla", tie=True, act_ckpt="block"))
+    cases += [dict(c) for c in TIED_BTP_CASES]
     if tp == 1:  # the plain model, as the trainer runs it at TP 1
         cases.append(dict(arch="lax", strategy=None, tie=True, act_ckpt="block"))
         cases.append(dict(arch="cola", strategy=None, act_ckpt="none"))

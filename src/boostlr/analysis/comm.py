@@ -85,7 +85,8 @@ def tp_comm_volume(
     L = cfg.n_layers
     ce_fwd, ce_calls = 3 * tokens * vocab_dp * FP32, 3  # max, sum of exps, target logit: [T]
     block = spec.block_traffic(shape, grouping, norm)
-    edge_in, edge_out = spec.first_traffic(shape), spec.last_traffic(shape)
+    edge_in = spec.embedding_traffic(shape, cfg.tie_embeddings)
+    edge_out = spec.last_traffic(shape)
     fwd = embed * edge_in.fwd + L * block.fwd + head * (edge_out.fwd + ce_fwd)
     calls_fwd = embed * edge_in.calls_fwd + L * block.calls_fwd
     calls_fwd += head * (edge_out.calls_fwd + ce_calls)

@@ -132,7 +132,7 @@ def _rank_params(
                 local, experts = local + n, experts + n
                 continue
             dims = list(shape)
-            dim = shard_dim(name, strategy)
+            dim = shard_dim(name, strategy, cfg.tie_embeddings)
             if dim is not None:
                 start, end = chunk_range(dims[dim], tp_rank, tp)
                 dims[dim] = end - start

@@ -127,9 +127,12 @@ def param_kind(name: str) -> str | None:
     return _LINEAR_PARTS.get(part)
 
 
-def shard_dim(name: str, strategy: str | None) -> int | None:
+def shard_dim(name: str, strategy: str | None, tied: bool = False) -> int | None:
     """The dim ``strategy`` splits parameter ``name`` along over tp (``None``: replicated).
 
+    ``tied``: the embedding is the LM head's table (``model.tie_embeddings``) and follows the
+    head's rule, the one parameter split one way (under BTP its rows over the vocabulary:
+    the lookup is then vocabulary-parallel, reduce-scattered to the rank's d-slice).
     Raises ``ValueError`` naming both for a name that is no known parameter, or one the
     strategy has no rule for.
     """
@@ -143,6 +146,8 @@ def shard_dim(name: str, strategy: str | None) -> int | None:
             "parameter boostlr.models.placement knows (a renamed module?)"
         )
     rules = RULES[strategy]
+    if tied and kind == EMBEDDING:
+        kind = HEAD
     if kind not in rules:
         raise ValueError(
             f"no sharding rule for parameter {name!r} ({kind}) under tp strategy {label!r}"

@@ -41,6 +41,7 @@ from boostlr.parallel.collectives import (
     copy_to_group_pending,
     gather_from_group,
     reduce_from_group,
+    reduce_scatter_to_group,
 )
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.vocab import vocab_parallel_embedding
@@ -52,9 +53,18 @@ MLP_KINDS = (GATED, MOE)
 
 
 def embed(model: LlamaModel, tokens: Tensor, ctx: TPContext) -> Tensor:
-    """Whole rows (of this rank's d-slice), split over dp only."""
+    """Whole rows (of this rank's d-slice), split over dp only.
+
+    A table tied to the LM head is split as the head is, along the vocabulary: each rank
+    looks up its rows (zeros for the rest) at full width and one reduce-scatter over tp sums
+    the partial embeddings into each rank's d-slice (backward: an all-gather of the slices'
+    gradients). Autograd adds the lookup's and the head's gradient in the one parameter."""
+    weight = local(model.embed_tokens.weight)
+    if model.cfg.tie_embeddings:
+        rows = vocab_parallel_embedding(tokens, weight, ctx.vocab_split())
+        return reduce_scatter_to_group(rows, ctx.comm, "embed", dim=-1)
     split = ctx.vocab_split(rows_over_tp=False)
-    return vocab_parallel_embedding(tokens, local(model.embed_tokens.weight), split, ctx.vocab_dp)
+    return vocab_parallel_embedding(tokens, weight, split, ctx.vocab_dp)
 
 
 def head_input(model: LlamaModel, x: Tensor, ctx: TPContext) -> Tensor:

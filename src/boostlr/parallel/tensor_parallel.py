@@ -66,7 +66,8 @@ class TensorParallelModel(nn.Module):
         self.ctx = ctx
         self.strategy = runtime_for(strategy, model)
         self.specs: dict[str, ShardSpec] = {
-            name: ShardSpec(shard_dim(name, strategy)) for name, _ in model.named_parameters()
+            name: ShardSpec(shard_dim(name, strategy, model.cfg.tie_embeddings))
+            for name, _ in model.named_parameters()
         }
         self.model = model
         # LaX's latents cross from one block into the next: stage outputs carry them too.

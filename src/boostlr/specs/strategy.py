@@ -85,6 +85,12 @@ def _no_traffic(s: BlockShape) -> Traffic:
     return Traffic()
 
 
+def _btp_tied_embedding(s: BlockShape) -> Traffic:
+    # A table tied to the head is vocabulary-parallel: the fp32 partial embeddings [T, d]
+    # reduce-scattered to d-slices, their gradient all-gathered back (payload: the full buffer).
+    return Traffic(s.tokens * s.dim * FP32, s.tokens * s.dim * FP32, 1, 1)
+
+
 def _btp_final(s: BlockShape) -> Traffic:
     # The last hidden state gathered (fp32 residual) and the final norm gain (as used); their
     # reduce-scatters backward.
@@ -106,7 +112,8 @@ class StrategySpec:
     the activation-checkpoint modes it runs. ``ties_embeddings``: whether the embedding and
     the head can share one table under it. ``block_traffic`` / ``first_traffic`` /
     ``last_traffic``: its collectives per block, on a first stage (embedding) and on a last
-    one (beside the loss statistics every strategy combines). ``colour`` / ``line``: how the
+    one (beside the loss statistics every strategy combines); ``tied_first_traffic``: the
+    first stage's with a tied table, when it differs. ``colour`` / ``line``: how the
     plots draw it.
     """
 
@@ -120,9 +127,16 @@ class StrategySpec:
     ties_embeddings: bool = True
     block_traffic: Callable[[BlockShape, bool, str], Traffic] = _megatron_block
     first_traffic: Callable[[BlockShape], Traffic] = _vocab_parallel_embedding
+    tied_first_traffic: Callable[[BlockShape], Traffic] | None = None
     last_traffic: Callable[[BlockShape], Traffic] = _head_input_grad
     colour: str = "black"
     line: str = "-"
+
+    def embedding_traffic(self, shape: BlockShape, tied: bool) -> Traffic:
+        """A first stage's embedding collectives (``tied``: the table is the head's)."""
+        if tied and self.tied_first_traffic is not None:
+            return self.tied_first_traffic(shape)
+        return self.first_traffic(shape)
 
     def takes(self, arch: ArchSpec) -> bool:
         return arch.lowrank == self.takes_lowrank
@@ -156,9 +170,9 @@ BTP = StrategySpec(
     residual_sharded=True,
     bottleneck_regions=True,
     act_ckpt=("none", "block", "lowrank"),
-    ties_embeddings=False,  # the embedding splits along d, the head along the vocabulary
     block_traffic=_btp_block,
     first_traffic=_no_traffic,  # a local lookup of this rank's d-slice
+    tied_first_traffic=_btp_tied_embedding,  # tied: split as the head, reduce-scattered
     last_traffic=_btp_final,
     colour="#1f77b4",
     line="o-",
