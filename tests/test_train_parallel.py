@@ -62,17 +62,21 @@ def test_tp2_resume_is_bitwise_and_metrics_match_the_formula(
         assert "tp.all_reduce.gate_up" in names and "tp.all_reduce.down_proj" in names
 
 
+@pytest.mark.parametrize("tie", ["false", "true"])
 def test_tp_checkpoint_exports_like_a_single_device_run(
-    small_dataset: Path, tmp_path: Path
+    small_dataset: Path, tmp_path: Path, tie: str
 ) -> None:
+    """BTP at tp 2 exports what one device exports; a tied table (split as the head under
+    BTP) exports once, tied (no ``lm_head.weight``)."""
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     for run, tp in ((one, 1), (two, 2)):
-        cfg = tp_config(small_dataset, tp, **{"train.steps": 3, "parallel.tp_strategy": "btp"})
-        trainer.train(cfg, run, console=False)
+        over = {"train.steps": 3, "parallel.tp_strategy": "btp", "model.tie_embeddings": tie}
+        trainer.train(tp_config(small_dataset, tp, **over), run, console=False)
         export_checkpoint(run, tmp_path / f"export_{tp}")
     a = load_file(tmp_path / "export_1" / "model.safetensors")
     b = load_file(tmp_path / "export_2" / "model.safetensors")
     assert a.keys() == b.keys()
+    assert ("lm_head.weight" in b) == (tie == "false")
     for name in a:
         assert a[name].shape == b[name].shape and a[name].dtype == b[name].dtype, name
         # Adam divides by sqrt(v): fp32 noise in tiny gradients moves a weight by a small
