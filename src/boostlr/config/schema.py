@@ -136,7 +136,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
-    """Share the embedding with the LM head (refused with btp and with ``parallel.pp > 1``)."""
+    """Share the embedding with the LM head (under btp the table splits as the head does;
+    refused with ``parallel.pp > 1``)."""
     max_seq_len: int = 4096
     """Longest sequence the RoPE tables cover; ``data.seq_len`` may not exceed it."""
     init_std: float = 0.02
