@@ -122,6 +122,7 @@ def run(args: argparse.Namespace, call: Call) -> None:
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
 
 
+FIXED_DOMINATE = 0.5  # a row whose fixed costs exceed this share of its step is "dominated"
 FIXED_TERMS = (  # (key of Prediction.fixed, label)
     ("optimizer_s", "AdamW"),
     ("clip_s", "clip"),
@@ -153,6 +154,15 @@ def print_fixed(rows: list) -> None:
             f"  {r.arch} {r.strategy or '(tp 1)'}: {f['fixed_s']:.3f} s = "
             f"{100 * f['fixed_share']:.0f}% of the step ({terms}; "
             f"{f['kernels_per_step']} kernels)"
+        )
+    dominated = [r for r in rows if r.fixed["fixed_share"] > FIXED_DOMINATE]
+    if dominated:
+        worst = max(r.fixed["fixed_share"] for r in dominated)
+        print(
+            f"fixed costs dominate {len(dominated)} of {len(rows)} rows (up to "
+            f"{100 * worst:.0f}% of the step): the ranking there is set by launches, latency "
+            "and the optimizer, not by the strategies' GEMMs and traffic; a larger "
+            "train.batch_size (or train.compile) amortizes them"
         )
 
 
