@@ -18,7 +18,8 @@ from boostlr.parallel.mesh import build_mesh
 
 
 def _run(rank: int, world_size: int) -> list[dict]:
-    cases = [{**copy.deepcopy(c), "n_kv_heads": 2, "curve": False} for c in TIED_BTP_CASES]
+    kv = 2 if world_size == 2 else 4  # GQA where the degree allows it
+    cases = [{**copy.deepcopy(c), "n_kv_heads": kv, "curve": False} for c in TIED_BTP_CASES]
     comms = build_mesh(run_config(cases[0], world_size).parallel, CPU)
     return [check_case(case, comms) for case in cases]
 
