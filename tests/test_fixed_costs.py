@@ -106,3 +106,18 @@ def test_plan_json_carries_each_fixed_term(capsys: pytest.CaptureFixture[str]) -
         assert keys <= set(row["fixed"]), row["fixed"].keys()
         assert row["fixed"]["tp_alpha_s"] > 0 and row["fixed"]["kernel_mode"] == "eager"
         assert 0 < row["fixed"]["fixed_s"] < row["step_time_s"]
+
+
+def test_plan_says_when_fixed_costs_dominate(capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny step on an A100 is launches and latency: the plan says so under its table;
+    a 7B step at four sequences per micro-batch is not."""
+    small = ["plan", "--hardware", "a100-40gb", "--model.preset", "60M", "--data.seq_len", "128"]
+    small += ["--train.dtype", "bfloat16", "--parallel.tp", "2", "--train.batch_size", "1"]
+    assert main(small) == 0
+    out = capsys.readouterr().out
+    assert "fixed costs per step" in out and "fixed costs dominate" in out
+    big = ["plan", "--hardware", "a100-40gb", "--model.preset", "7B", "--parallel.tp", "4"]
+    big += ["--train.dtype", "bfloat16", "--train.batch_size", "4", "--data.seq_len", "4096"]
+    assert main(big) == 0
+    out = capsys.readouterr().out
+    assert "fixed costs per step" in out and "dominate" not in out
