@@ -220,8 +220,10 @@ def main() -> None:
         hw = fit(hw, args.act_ckpt)
     print(
         f"# paper_tables: profile {hw.name}: gemm_efficiency {hw.gemm_efficiency:.3f}, "
-        f"gemm_half_dim {hw.gemm_half_dim:.1f}, memory_efficiency {hw.memory_efficiency:.3f}, "
-        f"launch_us {hw.launch * 1e6:.2f}{' (fitted on rows 1-2)' if args.fit else ''}; "
+        f"gemm_half_dim {hw.gemm_half_dim:.1f}, memory_efficiency {hw.memory_efficiency:.3f}"
+        f"{' (fitted on rows 1-2)' if args.fit else ''}; public: launch_us "
+        f"{hw.launch * 1e6:.2f}, stream_efficiency {hw.stream_efficiency:.2f}, "
+        f"{hw.sm_count} SMs; "
         f"act_ckpt {args.act_ckpt}; micro-batch 1 x 4 accumulated (pipelines: 4 micro-batches)"
     )
     worst = max(
