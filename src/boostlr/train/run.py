@@ -64,6 +64,7 @@ from boostlr.train.stopping import (
     deadline,
     forward_to_children,
     install_handlers,
+    process_start_time,
     reason,
     received,
     stop_group,
@@ -101,7 +102,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     A ``train.save_on_signal`` signal is recorded from here on (data preparation included)
     and stops the run at the end of a step (:mod:`boostlr.train.stopping`).
     """
-    started = time.time()  # train.time_limit counts from here
+    started = process_start_time()  # train.time_limit counts from here
     install_handlers(cfg.train.save_on_signal)
     require_packages(cfg.train)  # here, not in validate(): plan needs no tensorboard
     device = resolve_device(cfg.parallel.device)

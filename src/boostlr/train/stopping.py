@@ -146,6 +146,21 @@ def job_end_time(env: dict[str, str] | os._Environ) -> float | None:
         return None  # "N/A", "Unknown" or "INVALID": no end time to stop before
 
 
+def process_start_time() -> float:
+    """When this process started (epoch seconds; its start before any re-execution),
+    from ``/proc``; now where there is none."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def deadline(time_limit: str, started: float, env: dict[str, str] | os._Environ) -> float | None:
     """When this process must have stopped (epoch seconds), or ``None``.
 
