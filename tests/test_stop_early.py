@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -187,3 +188,43 @@ def test_the_time_limit_saves_and_stops(small_dataset: Path, tmp_path: Path) -> 
     done = boostlr("--run-dir", str(run_dir), "--resume", "--quiet", f"--train.steps={step + 1}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert max(losses(run_dir)) == step + 1
+
+
+DEATH_TIMEOUT_S = 60
+MOE = ["--model.moe_experts", "4", "--model.moe_top_k", "2", "--model.moe_ffn_dim", "64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.tp", "2", "--train.batch_size", "2"],
+        DP2,
+        PP2,
+        [*DP2, "--parallel.ep", "2", *MOE],
+    ],
+    ids=["tp", "dp", "pp", "ep"],
+)
+def test_a_dead_rank_is_named_and_the_others_leave_in_time(
+    small_dataset: Path, tmp_path: Path, layout: list[str]
+) -> None:
+    """Rank 1 is SIGKILLed (as by the OOM killer) as step 2 starts, so rank 0 meets its
+    death in step 2's first collective of the layout: a TP all-reduce, the dp gradient
+    all-reduce, the pipeline's send/recv, the ep all-to-all. Rank 0 leaves it well within
+    ``parallel.timeout_s`` with one line, torchrun names rank 1 and SIGKILL, and the run
+    directory holds nothing half-written."""
+    run_dir = tmp_path / "run"
+    done = torchrun(
+        "--run-dir", str(run_dir), "--data.path", str(small_dataset), *ARGS, *layout,
+        "--train.ckpt_every", "1", "--parallel.timeout_s", str(DEATH_TIMEOUT_S),
+        env={"BOOSTLR_CRASH_AT": "forward:2@1"},
+    )  # fmt: skip
+    ended = time.time()
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "boostlr: rank 0: lost a peer rank" in done.stderr, output[-3000:]
+    assert "crashed" not in done.stderr, output[-3000:]  # one line, not a traceback
+    assert "SIGKILL" in output and re.search(r"rank\s*: 1 ", output), output[-3000:]
+    step_1 = (run_dir / "checkpoints" / "step_1" / "meta.json").stat().st_mtime
+    assert ended - step_1 < DEATH_TIMEOUT_S  # not waiting out the timeout
+    assert saved_steps(run_dir) == [1] and not list((run_dir / "checkpoints").glob(".tmp-*"))
