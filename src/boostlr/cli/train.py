@@ -90,6 +90,9 @@ def run(args: argparse.Namespace, call: Call) -> None:
             print(f"boostlr: {line}", file=sys.stderr, flush=True)
         raise
     if result.stopped is not None:
+        from boostlr.train.stopping import ignore_signals
+
+        ignore_signals(cfg.train.save_on_signal)  # saved: exit 75, whatever comes now
         raise RunStopped(_stopped_line(result.stopped, run_dir))
 
 

@@ -63,7 +63,8 @@ from boostlr.train.stopping import (
     StopCheck,
     deadline,
     forward_to_children,
-    install_handlers,
+    handling_signals,
+    ignore_signals,
     process_start_time,
     reason,
     received,
@@ -102,8 +103,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     A ``train.save_on_signal`` signal is recorded from here on (data preparation included)
     and stops the run at the end of a step (:mod:`boostlr.train.stopping`).
     """
+    with handling_signals(cfg.train.save_on_signal):
+        return _train(cfg, run_dir, resume, console)
+
+
+def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: bool) -> TrainResult:
     started = process_start_time()  # train.time_limit counts from here
-    install_handlers(cfg.train.save_on_signal)
     require_packages(cfg.train)  # here, not in validate(): plan needs no tensorboard
     device = resolve_device(cfg.parallel.device)
     if cfg.train.compile:
@@ -149,17 +154,19 @@ def _rank_entry(
 ) -> TrainResult:
     """One rank started by :func:`launch` (module level: it is pickled to the child)."""
     cfg = freeze(from_dict(cfg_dict))  # resolved before the ranks started
-    install_handlers(cfg.train.save_on_signal)
     device = resolve_device(cfg.parallel.device)
-    return _rank_main(
-        cfg,
-        Path(run_dir),
-        console,
-        device,
-        ckpt_path=ckpt_path,
-        exit_on_error=True,
-        started=started,
-    )
+    with handling_signals(cfg.train.save_on_signal):
+        result = _rank_main(
+            cfg,
+            Path(run_dir),
+            console,
+            device,
+            ckpt_path=ckpt_path,
+            exit_on_error=True,
+            started=started,
+        )
+    ignore_signals(cfg.train.save_on_signal)  # this rank only hands its result back now
+    return result
 
 
 def _rank_main(

@@ -20,6 +20,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import FrameType
@@ -47,7 +49,7 @@ def _record(signum: int, frame: FrameType | None) -> None:
 def deliver() -> None:
     """Pass the first signal on to every rank that handles it and has not had it yet.
 
-    A rank still starting up (before :func:`install_handlers`) would die of it, so it
+    A rank still starting up (before :func:`handling_signals`) would die of it, so it
     gets the signal once it catches it (``SigCgt`` in ``/proc/PID/status``): the
     forwarding thread of :func:`forward_to_children` asks again until the ranks end.
     """
@@ -93,10 +95,31 @@ def rank_children() -> list[int]:
     return ranks
 
 
-def install_handlers(spec: str) -> None:
-    """Record ``spec``'s signals instead of dying of them (main thread only; idempotent)."""
-    for sig in parse_signals(spec):
-        signal.signal(sig, _record)
+@contextmanager
+def handling_signals(spec: str) -> Iterator[None]:
+    """Record ``spec``'s signals instead of dying of them, for the duration (the previous
+    handlers, and nothing received, afterwards: ``train()`` called as a library leaves the
+    caller's process as it was). Outside the main thread Python cannot handle signals:
+    nothing changes there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _record) for sig in parse_signals(spec)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _received.clear()
+        _delivered.clear()
+
+
+def ignore_signals(spec: str) -> None:
+    """Ignore ``spec``'s signals from now on: a process about to exit after its ranks saved
+    (a later signal must not turn its exit code 75 into a death by that signal)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in parse_signals(spec):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def forward_to_children(on: bool) -> None:
