@@ -274,14 +274,17 @@ def _wait_for_row(run: Path, proc: subprocess.Popen, timeout_s: float = RUN_TIME
     raise AssertionError(f"no step logged (exit {proc.poll()})")
 
 
-def test_sigterm_to_srun_saves_exits_75_and_resumes(
+def test_usr1_to_srun_saves_exits_75_and_resumes(
     slurm: dict[str, str],
     own_launch: dict[int, float],
     small_dataset: Path,
     tmp_path: Path,
 ) -> None:
-    """srun passes a SIGTERM on to its tasks: every rank saves the step it is in, srun exits
-    75 (the ranks' code), and the one ``--resume`` continues to the uninterrupted losses."""
+    """srun passes a SIGUSR1 on to its tasks: every rank saves the step it is in, srun exits
+    75 (the ranks' code), and the one ``--resume`` continues to the uninterrupted losses.
+
+    (A SIGTERM to srun itself kills the step's tasks at once, SIGKILL, in SLURM 22.05: SLURM's
+    own SIGTERM, on preemption, ``scancel`` or the time limit, goes to the tasks directly.)"""
     run = tmp_path / "run"
     prefix, env = _srun(slurm)
     proc = subprocess.Popen(
@@ -294,7 +297,7 @@ def test_sigterm_to_srun_saves_exits_75_and_resumes(
     )
     try:
         _wait_for_row(run, proc)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGUSR1)
         _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -302,7 +305,7 @@ def test_sigterm_to_srun_saves_exits_75_and_resumes(
             proc.wait()
     assert proc.returncode == EXIT_STOPPED, err[-3000:]
     stopped = [line for line in err.splitlines() if "stopped at step" in line]
-    assert len(stopped) == 1, err[-3000:]
+    assert len(stopped) == 1 and "(SIGUSR1)" in stopped[0], err[-3000:]
     step = int(stopped[0].split("stopped at step ")[1].split()[0])
     assert (run / "checkpoints" / f"step_{step}" / "meta.json").is_file()
     prefix, env = _srun(slurm)
