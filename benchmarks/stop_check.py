@@ -2,13 +2,12 @@
 
 Every step ends with one MAX all-reduce of a one-element host tensor over a gloo group of all
 ranks, so the ranks agree on the step to save at after a signal or before the time limit.
-This times that check on real gloo ranks on this machine (median of several rounds of
-``--checks`` back-to-back checks), beside a barrier on the same group (the least any
-collective over all ranks costs), and prints their ratio. On GPUs the check overlaps the
-device's work (nothing waits for the device); the number is the CPU time a step's host
-thread spends in it.
+The all-reduce is started at one step's end and waited for at the next one's, so its
+latency hides behind the step. This times, on real gloo ranks, a stand-in step (host
+matmuls of a fixed size) with and without the check (medians of several rounds), and the
+check alone back to back (its latency, when there is no step to hide it behind).
 
-    PYTHONPATH=src python benchmarks/stop_check.py [--checks 2000] [--worlds 2 4]
+    PYTHONPATH=src python benchmarks/stop_check.py [--steps 300] [--worlds 2 4]
 """
 
 from __future__ import annotations
@@ -32,34 +31,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, checks: int, rounds: int, out) -> None:
+def _work(a: torch.Tensor, matmuls: int) -> None:
+    """A step's stand-in: host compute of a fixed size."""
+    for _ in range(matmuls):
+        a = torch.tanh(a @ a)
+
+
+def _rank(rank: int, world: int, port: int, steps: int, rounds: int, matmuls: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     stop = StopCheck(stop_group(60.0), None)
-    per_check, per_barrier = [], []
+    a = torch.randn(128, 128) / 16
+    bare, checked, alone = [], [], []
     for _ in range(rounds):
         dist.barrier()
         started = time.perf_counter()
-        for _ in range(checks):
-            assert stop.check(0.0) == 0
-        per_check.append((time.perf_counter() - started) / checks)
+        for _ in range(steps):
+            _work(a, matmuls)
+        bare.append((time.perf_counter() - started) / steps)
+        dist.barrier()
         started = time.perf_counter()
-        for _ in range(checks):
-            dist.barrier(group=stop.group)
-        per_barrier.append((time.perf_counter() - started) / checks)
+        for _ in range(steps):
+            _work(a, matmuls)
+            assert stop.check(0.0) == 0
+        checked.append((time.perf_counter() - started) / steps)
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(steps):
+            assert stop.check(0.0) == 0
+        alone.append((time.perf_counter() - started) / steps)
     stop.close()
     dist.destroy_process_group()
     if rank == 0:
-        out.put((statistics.median(per_check), statistics.median(per_barrier)))
+        out.put(tuple(statistics.median(x) for x in (bare, checked, alone)))
 
 
-def check_seconds(world: int, checks: int, rounds: int) -> tuple[float, float]:
+def check_seconds(world: int, steps: int, rounds: int, matmuls: int) -> tuple[float, ...]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank, args=(r, world, port, checks, rounds, out)) for r in range(world)
+        ctx.Process(target=_rank, args=(r, world, port, steps, rounds, matmuls, out))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -71,16 +85,21 @@ def check_seconds(world: int, checks: int, rounds: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checks", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--matmuls", type=int, default=20, help="a step's size")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     print(f"load average: {os.getloadavg()[0]:.1f}")
-    print("| ranks | stop check (us/step) | gloo barrier (us) | check / barrier |")
-    print("|---|---|---|---|")
+    print("| ranks | step (ms) | step + check (ms) | added per step (us) | check alone (us) |")
+    print("|---|---|---|---|---|")
     for world in args.worlds:
-        check, barrier = check_seconds(world, args.checks, args.rounds)
-        print(f"| {world} | {check * 1e6:.0f} | {barrier * 1e6:.0f} | {check / barrier:.2f} |")
+        bare, checked, alone = check_seconds(world, args.steps, args.rounds, args.matmuls)
+        added = (checked - bare) * 1e6
+        print(
+            f"| {world} | {bare * 1e3:.2f} | {checked * 1e3:.2f} | {added:.0f} | "
+            f"{alone * 1e6:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 
 from boostlr.errors import EXIT_STOPPED
 
-STEPS = 5
+STEPS = 6
 ARGS = [
     "--quiet",
     "--model.preset", "tiny",
@@ -122,7 +122,7 @@ def test_resume_before_the_first_save_starts_over_like_the_first_start(
     [
         "forward:1@0>parent",  # the first step
         # an evaluation, the save after it, and a second signal during the stop's own save
-        "eval:3@0>parent,ckpt_before_shards:3@0>parent,ckpt_before_shards:4@0>parent",
+        "eval:3@0>parent,ckpt_before_shards:3@0>parent,ckpt_before_shards:5@0>parent",
     ],
     ids=["first-step", "eval-save-second-signal"],
 )
@@ -135,9 +135,10 @@ def test_sigterm_to_boostlrs_launcher_saves_and_resumes(
         env={"BOOSTLR_SIGNAL_AT": points},
     )  # fmt: skip
     step = assert_stopped(done, run_dir)
-    assert step == (1 if points.startswith("forward") else 4)
-    if step == 4:  # the periodic save the signal arrived in was finished, not dropped
-        assert saved_steps(run_dir) == [3, 4]
+    # The ranks agree one step after the signal (stopping.StopCheck: a lag of one step).
+    assert step == (2 if points.startswith("forward") else 5)
+    if step == 5:  # the periodic save the signal arrived in was finished, not dropped
+        assert saved_steps(run_dir) == [3, 5]
     done = boostlr("--run-dir", str(run_dir), "--resume", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(run_dir) == reference
@@ -158,9 +159,9 @@ def test_sigterm_under_torchrun_in_the_pipeline_warm_up(
     )  # fmt: skip
     # torchrun exits 1 for any rank's non-zero exit; its ranks exit 75 (and say so).
     assert done.returncode != 0, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if "stopped at step 2" in line]
+    lines = [line for line in done.stderr.splitlines() if "stopped at step 3" in line]
     assert len(lines) == 1, done.stderr[-3000:]
-    assert saved_steps(run_dir) == [2] and not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert saved_steps(run_dir) == [3] and not list((run_dir / "checkpoints").glob(".tmp-*"))
     done = boostlr("--run-dir", str(run_dir), "--resume", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = losses(run_dir)
@@ -171,7 +172,7 @@ def test_sigterm_under_torchrun_in_the_pipeline_warm_up(
 
 def test_the_time_limit_saves_and_stops(small_dataset: Path, tmp_path: Path) -> None:
     """``train.time_limit`` counts from the process's start; the run stops with twice its
-    save time (and a step) still left, saved and resumable."""
+    save time (and two steps) still left, saved and resumable."""
     run_dir = tmp_path / "run"
     limit_s = 25
     started = time.time()

@@ -8,7 +8,8 @@ near the time limit), and all ranks then save that step and exit with
 
 The ranks agree through one MAX all-reduce of a one-element *host* tensor per step on a gloo
 group of their own: a CPU-to-CPU exchange that never waits on the device (the loop's quiet
-steps stay free of host syncs), on its own group so that it never interleaves with an async
+steps stay free of host syncs), started at one step's end and read at the next one's (so its
+latency hides behind a step), on its own group so that it never interleaves with an async
 save's collectives on the checkpoint group.
 """
 
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -201,15 +203,19 @@ def deadline(time_limit: str, started: float, env: dict[str, str] | os._Environ)
 class StopCheck:
     """Whether the ranks stop after this step, decided alike on every rank.
 
-    ``check`` runs at the end of every step: each rank contributes its first signal (or
-    :data:`TIME_LIMIT_CODE` when the time left is under twice the measured save time plus
-    a step) to a MAX all-reduce of a host tensor over ``group`` (gloo); ``None`` in one
-    process, where the value is read directly.
+    At the end of every step each rank puts its first signal (or :data:`TIME_LIMIT_CODE`
+    when less than twice the save time plus two steps is left) into a one-element host
+    tensor, whose MAX all-reduce over ``group`` (gloo) is started without waiting; the
+    next step's check waits for it and returns it. Every rank thus reads the same value at
+    the same step, one step after the signal (a bounded lag of one step), and the exchange
+    runs in gloo's threads while that step computes, so at any scale its latency is hidden
+    behind a step. ``group`` is ``None`` in one process, where the value is read directly.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, end: float | None):
         self.group, self.end = group, end
         self._flag = torch.zeros(1, dtype=torch.int32)  # host memory: no device involved
+        self._work: Any = None  # the all-reduce in flight, started by the previous check
         self._last = time.monotonic()
         self.step_s = 0.0
 
@@ -218,18 +224,32 @@ class StopCheck:
         now = time.monotonic()
         self.step_s, self._last = now - self._last, now
         code = received() or 0
-        if self.end is not None and self.end - time.time() < 2 * save_s + self.step_s:
+        if self.end is not None and self.end - time.time() < 2 * (save_s + self.step_s):
             code = max(code, TIME_LIMIT_CODE)
         if self.group is None:
             return code
+        agreed = 0
+        if self._work is not None:
+            self._work.wait()
+            agreed = int(self._flag.numpy()[0])  # a host tensor: numpy reads it, nothing syncs
         self._flag.fill_(code)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(self._flag.numpy()[0])  # a host tensor: numpy reads it, nothing syncs
+        self._work = dist.all_reduce(
+            self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        return agreed
 
     def close(self) -> None:
-        if self.group is not None:
+        """Finish the exchange in flight (every rank started as many), then the group."""
+        if self.group is None:
+            return
+        try:
+            if self._work is not None:
+                self._work.wait()
+        except RuntimeError:
+            pass  # a peer is gone: the error that ends this run says so, not this wait
+        finally:
             dist.destroy_process_group(self.group)
-            self.group = None
+            self.group = self._work = None
 
 
 def stop_group(timeout_s: float) -> dist.ProcessGroup | None:
