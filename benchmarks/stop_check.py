@@ -4,10 +4,11 @@ Every step ends with one MAX all-reduce of a one-element host tensor over a gloo
 ranks, so the ranks agree on the step to save at after a signal or before the time limit.
 The all-reduce is started at one step's end and waited for at the next one's, so its
 latency hides behind the step. This times, on real gloo ranks, a stand-in step (host
-matmuls of a fixed size) with and without the check (medians of several rounds), and the
-check alone back to back (its latency, when there is no step to hide it behind).
+matmuls of a fixed size) with and without the check, in alternating blocks (the median of
+the blocks' differences is what the check adds to a step), and the check alone back to
+back (its latency, when there is no step to hide it behind).
 
-    PYTHONPATH=src python benchmarks/stop_check.py [--steps 300] [--worlds 2 4]
+    PYTHONPATH=src python benchmarks/stop_check.py [--rounds 25] [--worlds 2 4]
 """
 
 from __future__ import annotations
@@ -44,18 +45,15 @@ def _rank(rank: int, world: int, port: int, steps: int, rounds: int, matmuls: in
     stop = StopCheck(stop_group(60.0), None)
     a = torch.randn(128, 128) / 16
     bare, checked, alone = [], [], []
-    for _ in range(rounds):
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(steps):
-            _work(a, matmuls)
-        bare.append((time.perf_counter() - started) / steps)
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(steps):
-            _work(a, matmuls)
-            assert stop.check(0.0) == 0
-        checked.append((time.perf_counter() - started) / steps)
+    for _ in range(rounds):  # the two kinds of block alternate: load drifts cancel out
+        for times, check in ((bare, False), (checked, True)):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(steps):
+                _work(a, matmuls)
+                if check:
+                    assert stop.check(0.0) == 0
+            times.append((time.perf_counter() - started) / steps)
         dist.barrier()
         started = time.perf_counter()
         for _ in range(steps):
@@ -64,7 +62,8 @@ def _rank(rank: int, world: int, port: int, steps: int, rounds: int, matmuls: in
     stop.close()
     dist.destroy_process_group()
     if rank == 0:
-        out.put(tuple(statistics.median(x) for x in (bare, checked, alone)))
+        added = [c - b for b, c in zip(bare, checked, strict=True)]
+        out.put(tuple(statistics.median(x) for x in (bare, checked, added, alone)))
 
 
 def check_seconds(world: int, steps: int, rounds: int, matmuls: int) -> tuple[float, ...]:
@@ -85,8 +84,8 @@ def check_seconds(world: int, steps: int, rounds: int, matmuls: int) -> tuple[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--matmuls", type=int, default=20, help="a step's size")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
@@ -94,10 +93,9 @@ def main() -> None:
     print("| ranks | step (ms) | step + check (ms) | added per step (us) | check alone (us) |")
     print("|---|---|---|---|---|")
     for world in args.worlds:
-        bare, checked, alone = check_seconds(world, args.steps, args.rounds, args.matmuls)
-        added = (checked - bare) * 1e6
+        bare, checked, added, alone = check_seconds(world, args.steps, args.rounds, args.matmuls)
         print(
-            f"| {world} | {bare * 1e3:.2f} | {checked * 1e3:.2f} | {added:.0f} | "
+            f"| {world} | {bare * 1e3:.2f} | {checked * 1e3:.2f} | {added * 1e6:.0f} | "
             f"{alone * 1e6:.0f} |"
         )
 
