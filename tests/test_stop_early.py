@@ -185,8 +185,9 @@ def test_the_time_limit_saves_and_stops(small_dataset: Path, tmp_path: Path) -> 
     step = max(saved_steps(run_dir))
     published = (run_dir / "checkpoints" / f"step_{step}" / "meta.json").stat().st_mtime
     # The margin comes from measured step and save times; on a shared 2-core CI machine a
-    # step can stall for seconds, so the save is allowed to land a little past the limit.
-    assert published - started < limit_s + 10
+    # step can stall for seconds, so the save is allowed to land a little past the limit,
+    # and a start-up slower than the limit itself stops after the first step.
+    assert published - started < limit_s + 10 or step == 1, (published - started, step)
     assert step >= 1 and step in losses(run_dir)
     done = boostlr("--run-dir", str(run_dir), "--resume", "--quiet", f"--train.steps={step + 1}")
     assert done.returncode == 0, done.stderr[-3000:]
