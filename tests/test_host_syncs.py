@@ -39,6 +39,7 @@ from boostlr.platform import CopyPlan, platform_for
 from boostlr.platform import copies as copies_module
 from boostlr.train import run as trainer
 from boostlr.train.profiling import StepProfiler
+from boostlr.train.stopping import StopCheck
 
 STEPS = 6  # log rows at step 1 and 6 (the last): steps 2-5 must not sync
 CONVERSIONS = ("item", "__float__", "__bool__", "tolist", "__int__")
@@ -174,8 +175,27 @@ def assert_batches_take_the_planned_way(per_step: dict[int, dict[str, int]]) -> 
         assert set(seen) == {PLANNED}, (step, seen)
 
 
-def _rank_counts(rank: int, world: int, data: str, run_dir: str, extra: dict) -> dict:
+def _rank_counts(rank: int, world: int, data: str, run_dir: str, extra: dict) -> tuple:
     return count_conversions(_config(Path(data), **extra), Path(run_dir), rank_of_group=True)
+
+
+def _rank_counts_and_stop_checks(
+    rank: int, world: int, data: str, run_dir: str, extra: dict
+) -> tuple:
+    """:func:`_rank_counts`, and the stop checks (train/stopping.py) that all-reduced a flag
+    over their gloo group: one per step, counted among the conversions they must not make."""
+    checks = []
+    check = StopCheck.check
+
+    def counted(self, save_s):
+        checks.append(self.group is not None and self._flag.device.type == "cpu")
+        return check(self, save_s)
+
+    StopCheck.check = counted
+    try:
+        return (*_rank_counts(rank, world, data, run_dir, extra), checks)
+    finally:
+        StopCheck.check = check
 
 
 def assert_quiet(per_step: dict[int, dict[str, int]]) -> None:
@@ -303,7 +323,10 @@ def test_distributed_steps_do_not_sync(small_dataset: Path, tmp_path: Path, layo
     datasets = trainer.open_datasets(cfg)
     cfg = resolve(cfg, datasets[0])
     trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
-    per_rank = run_distributed(_rank_counts, world, str(small_dataset), str(run_dir), layout)
-    for conversions, copies in per_rank:
-        assert_quiet(conversions)
+    per_rank = run_distributed(
+        _rank_counts_and_stop_checks, world, str(small_dataset), str(run_dir), layout
+    )
+    for conversions, copies, stop_checks in per_rank:
+        assert_quiet(conversions)  # the stop checks of the quiet steps included
+        assert stop_checks == [True] * STEPS  # each step all-reduced a host flag over gloo
         assert_batches_take_the_planned_way(copies)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from boostlr.errors import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
 
@@ -259,3 +262,74 @@ def test_two_torchrun_agents_train_like_own_launch(
     for a, out in zip(agents, outputs, strict=True):
         assert a.returncode == 0, out[-3000:]
     assert _losses(run) == own_launch
+
+
+def _wait_for_row(run: Path, proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Until the run has logged step 1 (the ranks are training)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").is_file() and _losses(run):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step logged (exit {proc.poll()})")
+
+
+def test_usr1_to_srun_saves_exits_75_and_resumes(
+    slurm: dict[str, str],
+    own_launch: dict[int, float],
+    small_dataset: Path,
+    tmp_path: Path,
+) -> None:
+    """srun passes a SIGUSR1 on to its tasks: every rank saves the step it is in, srun exits
+    75 (the ranks' code), and the one ``--resume`` continues to the uninterrupted losses.
+
+    (A SIGTERM to srun itself kills the step's tasks at once, SIGKILL, in SLURM 22.05: SLURM's
+    own SIGTERM, on preemption, ``scancel`` or the time limit, goes to the tasks directly.)"""
+    run = tmp_path / "run"
+    prefix, env = _srun(slurm)
+    proc = subprocess.Popen(
+        [*prefix, *_train_cmd(run, small_dataset)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_row(run, proc)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+    stopped = [line for line in err.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1 and "(SIGUSR1)" in stopped[0], err[-3000:]
+    step = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert (run / "checkpoints" / f"step_{step}" / "meta.json").is_file()
+    prefix, env = _srun(slurm)
+    _run([*prefix, *_train_cmd(run, None, resume=True)], env, tmp_path)
+    assert _losses(run) == own_launch
+
+
+def test_slurms_end_time_stops_the_run_before_it(
+    slurm: dict[str, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    """``train.time_limit auto`` under a one-minute srun job: the run reads the job's end
+    time (squeue here: this SLURM sets no SLURM_JOB_END_TIME) and saves and exits 75 before
+    SLURM would kill it."""
+    run = tmp_path / "run"
+    one_rank = ["--train.steps", "100000", "--parallel.dp", "1", "--parallel.tp", "1"]
+    cmd = [*_train_cmd(run, small_dataset), *one_rank]  # the later overrides win
+    proc = subprocess.run(
+        ["srun", "-n", "1", "--time=1", *cmd],
+        env=slurm,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert proc.returncode == EXIT_STOPPED, proc.stderr[-3000:]
+    assert "(the time limit is near)" in proc.stderr
+    assert list((run / "checkpoints").glob("step_*"))

@@ -160,7 +160,7 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(
 def test_run_dir_guards(small_dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = tiny_run_config(small_dataset, **{"train.steps": 3})
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="holds no run"):  # a mistyped path
         trainer.train(cfg, run, resume=True, console=False)
     trainer.train(cfg, run, console=False)
     with pytest.raises(ConfigError, match="already holds a run"):

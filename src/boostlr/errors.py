@@ -7,6 +7,9 @@ message must name both the problem and the fix.
 
 EXIT_BAD_INPUT = 2  # a BoostlrError: the input is wrong, nothing was started or written
 EXIT_FAILED = 1  # training started and failed (diverged, or a rank crashed)
+# Stopped early on a signal or before the time limit, with a checkpoint at the step it
+# stopped at: resume it (sysexits.h's EX_TEMPFAIL, "temporary failure, try again").
+EXIT_STOPPED = 75
 
 
 class BoostlrError(Exception):
@@ -27,3 +30,7 @@ class CheckpointError(BoostlrError):
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+class RunStopped(Exception):
+    """Every rank saved and stopped early (a signal or the time limit): exit code 75."""

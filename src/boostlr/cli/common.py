@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from boostlr.errors import EXIT_BAD_INPUT, EXIT_FAILED, BoostlrError, TrainingDiverged
+from boostlr.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    BoostlrError,
+    RunStopped,
+    TrainingDiverged,
+)
 
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a SIGINT
 
@@ -75,6 +82,10 @@ def run_reporting(command: Command, args: argparse.Namespace, call: Call) -> int
         print(f"boostlr: training failed on rank(s) {ranks} (see above)", file=sys.stderr)
         bad_input = all(f.exitcode == EXIT_BAD_INPUT for f in failures)
         return EXIT_BAD_INPUT if bad_input else EXIT_FAILED
+    except RunStopped as exc:  # saved at the step it stopped at: resume it
+        if str(exc):
+            print(f"boostlr: {exc}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print("boostlr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

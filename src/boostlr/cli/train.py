@@ -12,7 +12,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from boostlr.cli.common import Call, Command
-from boostlr.errors import BoostlrError
+from boostlr.errors import BoostlrError, RunStopped
 
 # Set in the environment of the one re-execution, so that it happens once.
 _REEXEC_FLAG = "BOOSTLR_ALLOCATOR_PRELOADED"
@@ -82,13 +82,30 @@ def run(args: argparse.Namespace, call: Call) -> None:
     if call.own_process:
         _restart_with_allocator(cfg)
     try:
-        train(cfg, run_dir, resume=args.resume, console=not args.quiet)
+        result = train(cfg, run_dir, resume=args.resume, console=not args.quiet)
     except ChildFailedError as exc:
         from boostlr.train.failures import killed_rank_messages
 
         for line in killed_rank_messages(exc, cfg):
             print(f"boostlr: {line}", file=sys.stderr, flush=True)
         raise
+    if result.stopped is not None:
+        from boostlr.train.stopping import ignore_signals
+
+        ignore_signals(cfg.train.save_on_signal)  # saved: exit 75, whatever comes now
+        raise RunStopped(_stopped_line(result.stopped, run_dir))
+
+
+def _stopped_line(why: str, run_dir: Path) -> str:
+    """The one line of an early stop (rank 0's; the other ranks of a launcher say nothing)."""
+    from boostlr.errors import EXIT_STOPPED
+
+    if os.environ.get("RANK", "0") != "0":
+        return ""
+    return (
+        f"{why}; resume with `boostlr train --run-dir {run_dir} --resume` "
+        f"(exit code {EXIT_STOPPED})"
+    )
 
 
 COMMAND = Command("train", add_parser, run, takes_overrides=True)

@@ -39,6 +39,8 @@ SEE_ALSO: dict[str, tuple[str, str]] = {
     "train.ckpt_every": ("checkpoints", "checkpoints.md#checkpoints"),
     "train.keep_checkpoints": ("checkpoints", "checkpoints.md#checkpoints"),
     "train.async_ckpt": ("checkpoints", "checkpoints.md#checkpoints"),
+    "train.save_on_signal": ("stopping early", "checkpoints.md#stopping-early-and-resuming"),
+    "train.time_limit": ("stopping early", "checkpoints.md#stopping-early-and-resuming"),
     "train.compile": ("speed and profiling", "speed-and-memory.md"),
     "train.profile_steps": ("speed and profiling", "speed-and-memory.md"),
     "train.memory_phases": ("speed and profiling", "speed-and-memory.md"),

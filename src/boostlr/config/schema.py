@@ -269,6 +269,14 @@ class TrainConfig:
     async_ckpt: bool = False
     """Write checkpoints in the background (DCP async_save on its own gloo group): the step
     loop blocks only for the copy of this rank's shards to host memory."""
+    save_on_signal: str = "SIGTERM,SIGUSR1"
+    """Signals (comma-separated) on which every rank finishes its step, saves a checkpoint
+    there and exits with code 75, "stopped early, resume me" (to any rank, or to the
+    launcher: ``boostlr``'s own, torchrun, srun); empty lets them end the run as usual."""
+    time_limit: str = "auto"
+    """Save and exit with code 75 while twice the measured save time (plus a step) is
+    left: a duration from the process's start (``3h50m``, ``90m``, ``3600``, ``3:50:00``),
+    ``auto`` (the SLURM job's end time under SLURM, else none) or ``none``."""
     compile: bool = False
     """torch.compile every block (inductor): each collective-free region is one graph, the
     collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA."""

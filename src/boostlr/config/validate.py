@@ -24,6 +24,7 @@ from boostlr.config.schema import (
     ParallelConfig,
     RunConfig,
 )
+from boostlr.config.stopping import check_stop_config
 from boostlr.config.validate_moe import validate_moe
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import LOWRANK_ARCHS, arch_spec
@@ -186,6 +187,7 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.parallel.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be > 0 seconds, got {cfg.parallel.timeout_s}")
     profile_range(t.profile_steps)
+    check_stop_config(t.save_on_signal, t.time_limit)
     if d.default_vocab < 260 or d.default_vocab > 2**32 - 1:
         raise ConfigError(f"data.default_vocab must be in [260, 2^32), got {d.default_vocab}")
 

@@ -7,6 +7,7 @@ usual variables), :func:`under_launcher` is true and the ranks already exist.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -154,13 +155,18 @@ def launch(
     *args: Any,
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
+    own_signals: str = "",
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks; returns each rank's result.
 
     When a rank dies, the agent stops the others and restarts all of them, up to
     ``max_restarts`` times (``TORCHELASTIC_RESTART_COUNT`` tells them which attempt it is).
     ``env`` is added to the ranks' environment (e.g. ``LD_PRELOAD``), not to this process's.
+    The agent leaves ``own_signals`` (``train.save_on_signal``) to the caller's handlers
+    (which pass them on to the ranks, who save and return): by default it would stop the
+    ranks on a SIGTERM and kill them 30 s later.
     """
+    mine = {f"SIG{n.strip().upper().removeprefix('SIG')}" for n in own_signals.split(",")}
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -171,6 +177,7 @@ def launch(
         max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        **_agent_signals(mine),
     )
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     child_env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
@@ -194,6 +201,19 @@ def launch(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent's default
+
+
+def _agent_signals(leave: set[str]) -> dict[str, str]:
+    """The LaunchConfig field that makes the agent handle its default signals but ``leave``
+    (torch versions without it handle their defaults, read from the environment)."""
+    wanted = ",".join(s for s in _AGENT_SIGNALS if s not in leave)
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return {"signals_to_handle": wanted}
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = wanted
+    return {}
 
 
 def world_mismatch(world: int, expected: int, env: Mapping[str, str]) -> str:

@@ -20,7 +20,7 @@ from boostlr.data import TokenDataset
 from boostlr.errors import BoostlrError, CheckpointError, ConfigError
 from boostlr.fsutil import write_text_atomic
 from boostlr.rundir.checkpoint import Checkpoint, list_checkpoints, set_aside
-from boostlr.rundir.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
+from boostlr.rundir.layout import CONFIG_FILE, STEP_DIR, TOKENIZER_FILE, checkpoints_dir
 from boostlr.rundir.timeouts import CheckpointGroup
 from boostlr.rundir.verify import newest_verified, verification_group
 
@@ -101,14 +101,34 @@ def pick_checkpoint(run_dir: Path, required: bool) -> Checkpoint | None:
 def _keep(
     run_dir: Path, ckpt: Checkpoint | None, corrupted: list[Path], required: bool
 ) -> Checkpoint | None:
+    """The checkpoint to resume, after setting ``corrupted`` aside.
+
+    A run stopped before its first save (preempted, or killed with a rank) has no
+    ``step_N`` directory at all: ``--resume`` starts it from step 0 with its saved config,
+    as its first start did. Damaged ``step_N`` directories and nothing intact are an error:
+    starting over would silently discard the run.
+    """
     for path in set_aside(corrupted):
         print(f"boostlr: warning: corrupted checkpoint set aside as {path}", file=sys.stderr)
     if ckpt is None and required:
-        raise CheckpointError(
-            f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
-            "--resume (or point --run-dir at the run to continue)"
+        if corrupted or _step_dirs(run_dir):
+            raise CheckpointError(
+                f"--resume: {run_dir} has no complete checkpoint: start a fresh run without "
+                "--resume (or point --run-dir at the run to continue)"
+            )
+        print(
+            f"boostlr: --resume: {run_dir} has no checkpoint yet: starting it from step 0 "
+            f"with its {CONFIG_FILE}",
+            file=sys.stderr,
+            flush=True,
         )
     return ckpt
+
+
+def _step_dirs(run_dir: Path) -> list[Path]:
+    """``step_N`` directories, complete or not (an unfinished save's temporary one is not)."""
+    root = checkpoints_dir(run_dir)
+    return [p for p in root.iterdir() if STEP_DIR.match(p.name)] if root.is_dir() else []
 
 
 def prepare_run_dir(
@@ -124,7 +144,8 @@ def prepare_run_dir(
     """Check the run directory, then write its config and tokenizer; the checkpoint to resume.
 
     A new run refuses a directory that holds one; ``--resume`` (or a restart) picks and
-    verifies the newest complete checkpoint and checks the config is compatible with it.
+    verifies the newest complete checkpoint and checks the config is compatible with it
+    (none yet: the run starts again from step 0, :func:`_keep`).
     With ``world > 1`` every rank of the job calls it: the ranks hash equal shares of the
     checkpoint and wait for each other only on a gloo group sized to that work
     (:mod:`boostlr.rundir.verify`); rank 0 alone writes, and every rank raises its error.
@@ -159,6 +180,11 @@ def _write_run_dir(
 ) -> Checkpoint | None:
     """Rank 0's part: set corrupted checkpoints aside, check, write config and tokenizer."""
     if resume:
+        if required and not (run_dir / CONFIG_FILE).is_file():  # a mistyped path
+            raise CheckpointError(
+                f"--resume: {run_dir} holds no run (no {CONFIG_FILE}): point --run-dir at the "
+                "run to continue, or start a new run without --resume"
+            )
         ckpt = _keep(run_dir, ckpt, corrupted, required)
         if ckpt is not None:
             check_resume_config(ckpt, cfg)

@@ -107,6 +107,14 @@ class CheckpointWriter:
         self._stager = dcp_io.make_stager(pin=True) if pin else None
         self._cleaner = ThreadPoolExecutor(max_workers=1) if rank == 0 else None
         self.last_path: Path | None = None
+        self.last_save_s: float | None = None  # the newest save's whole time, published
+        self.estimate_s = 0.0  # what a first save is assumed to take (set by the trainer)
+        self._started = 0.0
+
+    @property
+    def save_seconds(self) -> float:
+        """How long a synchronous save takes: the newest one's time, else the estimate."""
+        return self.estimate_s if self.last_save_s is None else self.last_save_s
 
     @classmethod
     def on_group(
@@ -135,6 +143,7 @@ class CheckpointWriter:
         """Save ``step``; returns what the save cost (the caller's blocked seconds first)."""
         started = time.perf_counter()
         self.wait()  # a previous save must be published before the next one starts
+        self._started = time.perf_counter()
         final, tmp = self.root / step_dir_name(step), self.root / f"{TEMP_PREFIX}{step}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -237,6 +246,7 @@ class CheckpointWriter:
             self._in_background(prune_checkpoints, self.root, self.keep, step)
         self._barrier()
         self.last_path = final
+        self.last_save_s = time.perf_counter() - self._started
 
     def _in_background(self, task: Any, *args: Any, **kwargs: Any) -> None:
         """Deletions run on rank 0's cleaner thread, in order; no rank waits for them."""

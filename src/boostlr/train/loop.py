@@ -26,6 +26,7 @@ from boostlr.train.perf import build_times, peak_flops
 from boostlr.train.profiling import StepProfiler
 from boostlr.train.sinks import open_sinks
 from boostlr.train.state import RunState, save
+from boostlr.train.stopping import reason
 from boostlr.train.window import Window
 
 COMM_GROUPS = ("tp", "dp", "pp")  # ledger group names timed into comm_{group}_time_s
@@ -78,6 +79,7 @@ def evaluate(
     """Validation loss (on every rank), logged by rank 0; its time is kept out of the window."""
     paused = time.perf_counter()
     window.take_comm(state.model.comms.ledger)
+    crash_point("eval", state.rank, step)
     val_loss = state.model.evaluate(state.val_data, autocast)
     phases.mark("eval")
     state.model.comms.ledger.take_seconds()  # evaluation's collectives are not the step's
@@ -92,10 +94,12 @@ def evaluate(
     return val_loss
 
 
-def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
+def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str | None]:
     """Train from ``state.start_step`` to ``train.steps``; every rank runs it, rank 0 logs.
 
-    Returns the last logged loss and the last validation loss.
+    Returns the last logged loss, the last validation loss and, when the ranks stopped
+    early (:mod:`boostlr.train.stopping`), why: that step was logged and saved (synchronously,
+    async saves too), and no evaluation ran.
     """
     cfg, model, optimizer = state.cfg, state.model, state.optimizer
     t, start = cfg.train, state.start_step
@@ -113,7 +117,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
         progress.print(f"restarted (attempt {state.restart_attempt}) at step {start}")
     elif start:
         progress.print(f"resumed {state.run_dir} at step {start}")
-    loss_value, val_loss, finished = float("nan"), None, False
+    loss_value, val_loss, finished, stopped = float("nan"), None, False, None
     window = Window(state.device, start + 1)
     moe = model.moe_layers()
     dp = model.comms.dp.group if model.comms.dp.size > 1 else None
@@ -130,6 +134,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                 for layer in moe:
                     layer.start_stats()
             total = torch.zeros((), device=state.device)
+            crash_point("forward", state.rank, step)  # a pipeline's warm-up starts here
             for _ in range(t.grad_accum):
                 inputs, targets = next(state.loader)
                 with autocast, torch.profiler.record_function("forward_backward"):
@@ -145,6 +150,8 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                 update_expert_biases(moe, group=dp)
             phases.mark("step")
             crash_point("step", state.rank, step)
+            stop = state.stop.check(state.writer.save_seconds) if state.stop else 0
+            logs = logs or bool(stop)
             row = None
             if logs:
                 row = metrics_row(state, step, lr, window, phases)
@@ -156,19 +163,15 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
                     metrics.write(row)
                 window = Window(state.device, step + 1)
             profiler.after_step(step)
+            if stop and not last:  # a stop at the last step is the run's normal end
+                _save(state, step, window, phases, metrics, row)
+                state.writer.wait()  # published before the exit: synchronous, async too
+                stopped = f"stopped at step {step} ({reason(stop)}): saved {state.writer.last_path}"
+                break
             if step % t.eval_every == 0 or last:
                 val_loss = evaluate(state, window, autocast, phases, metrics, progress, step)
             if step % t.ckpt_every == 0 or last:
-                if row is None:  # never save a state that went non-finite
-                    window.check(state, step)
-                paused = time.perf_counter()
-                window.take_comm(model.comms.ledger)
-                cost = save(state, step)
-                phases.mark("save")
-                model.comms.ledger.take_seconds()  # the save's own time is not the step's
-                window.excluded += time.perf_counter() - paused
-                if metrics is not None:
-                    metrics.write({"step": step, **cost.row(), "async": t.async_ckpt})
+                _save(state, step, window, phases, metrics, row)
             progress.update(step, row)
         finished = True
     finally:
@@ -177,9 +180,31 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None]:
         progress.close()
         if metrics is not None:
             metrics.close(ok=finished)
-    if val_loss is not None:
+    if stopped is None and val_loss is not None:
         progress.print(
             f"done: step {t.steps}, loss {loss_value:.4f}, val_loss {val_loss:.4f}, "
             f"run {state.run_dir}"
         )
-    return loss_value, val_loss
+    return loss_value, val_loss, stopped
+
+
+def _save(
+    state: RunState,
+    step: int,
+    window: Window,
+    phases: MemoryPhases,
+    metrics: MetricsLog | None,
+    row: dict | None,
+) -> None:
+    """Save ``step`` (checked finite first) and log what it cost; its time is not the step's."""
+    if row is None:  # never save a state that went non-finite
+        window.check(state, step)
+    ledger = state.model.comms.ledger
+    paused = time.perf_counter()
+    window.take_comm(ledger)
+    cost = save(state, step)
+    phases.mark("save")
+    ledger.take_seconds()  # the save's own time is not the step's
+    window.excluded += time.perf_counter() - paused
+    if metrics is not None:
+        metrics.write({"step": step, **cost.row(), "async": state.cfg.train.async_ckpt})

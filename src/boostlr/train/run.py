@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,12 @@ from boostlr.rundir.checkpoint import read_checkpoint
 from boostlr.rundir.layout import METRICS_FILE, checkpoints_dir
 from boostlr.rundir.payload import sharded
 from boostlr.rundir.resume import prepare_run_dir
-from boostlr.rundir.timeouts import CheckpointGroup, CollectiveTimeout
+from boostlr.rundir.timeouts import (
+    MIN_IO_BYTES_PER_S,
+    CheckpointGroup,
+    CollectiveTimeout,
+    shard_bytes,
+)
 from boostlr.rundir.writer import CheckpointWriter
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import run_steps
@@ -53,6 +59,17 @@ from boostlr.train.metrics import truncate_after
 from boostlr.train.optim import build_optimizer, init_optimizer_state
 from boostlr.train.sinks import require_packages
 from boostlr.train.state import RunState, restore
+from boostlr.train.stopping import (
+    StopCheck,
+    deadline,
+    forward_to_children,
+    handling_signals,
+    ignore_signals,
+    process_start_time,
+    reason,
+    received,
+    stop_group,
+)
 from boostlr.train.summary import announce
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
@@ -64,6 +81,7 @@ class TrainResult:
     step: int
     loss: float
     val_loss: float | None
+    stopped: str | None = None  # why the ranks saved and stopped early (exit code 75)
 
 
 def open_datasets(cfg: RunConfig) -> tuple[TokenDataset, TokenDataset]:
@@ -82,7 +100,15 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
 
     ``cfg`` is resolved against the data once, here, before any rank starts; every later
     stage reads that frozen copy (:func:`~boostlr.config.resolve`), ``cfg`` is not written.
+    A ``train.save_on_signal`` signal is recorded from here on (data preparation included)
+    and stops the run at the end of a step (:mod:`boostlr.train.stopping`).
     """
+    with handling_signals(cfg.train.save_on_signal):
+        return _train(cfg, run_dir, resume, console)
+
+
+def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: bool) -> TrainResult:
+    started = process_start_time()  # train.time_limit counts from here
     require_packages(cfg.train)  # here, not in validate(): plan needs no tensorboard
     device = resolve_device(cfg.parallel.device)
     if cfg.train.compile:
@@ -93,29 +119,54 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, console: bool = T
     if os.environ.get("RANK", "0") == "0":  # once: this process, or rank 0 of a launcher's
         announce(cfg, run_dir, datasets[0].path, device, resume, console, under_launcher())
     if under_launcher():  # torchrun/srun started the ranks: join them
-        return _rank_main(cfg, run_dir, console, device, resume=resume, datasets=datasets)
+        return _rank_main(
+            cfg, run_dir, console, device, resume=resume, datasets=datasets, started=started
+        )
     platform_for(device).check_local_ranks(cfg.parallel.world_size)
     ckpt = prepare_run_dir(cfg, run_dir, resume, datasets[0])
+    if received():  # during data preparation: nothing trained, nothing to save
+        return TrainResult(
+            run_dir, 0, float("nan"), None, f"stopped before training ({reason(received())})"
+        )
     if cfg.parallel.world_size == 1 and cfg.parallel.max_restarts == 0:
-        return _train_rank(cfg, run_dir, ckpt, console, device, datasets)
-    results = launch(
-        cfg.parallel.world_size,
-        _rank_entry,
-        to_dict(cfg),
-        str(run_dir),
-        ckpt,
-        console,
-        max_restarts=cfg.parallel.max_restarts,
-        env=allocator_env(cfg.train.cpu_alloc_cache, device.type),
-    )
+        return _train_rank(cfg, run_dir, ckpt, console, device, datasets, started=started)
+    forward_to_children(True)  # a signal to this launcher goes on to its ranks
+    try:
+        results = launch(
+            cfg.parallel.world_size,
+            _rank_entry,
+            to_dict(cfg),
+            str(run_dir),
+            ckpt,
+            console,
+            started,
+            max_restarts=cfg.parallel.max_restarts,
+            env=allocator_env(cfg.train.cpu_alloc_cache, device.type),
+            own_signals=cfg.train.save_on_signal,
+        )
+    finally:
+        forward_to_children(False)
     return results[0]
 
 
-def _rank_entry(cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool) -> TrainResult:
+def _rank_entry(
+    cfg_dict: dict, run_dir: str, ckpt_path: str | None, console: bool, started: float
+) -> TrainResult:
     """One rank started by :func:`launch` (module level: it is pickled to the child)."""
     cfg = freeze(from_dict(cfg_dict))  # resolved before the ranks started
     device = resolve_device(cfg.parallel.device)
-    return _rank_main(cfg, Path(run_dir), console, device, ckpt_path=ckpt_path, exit_on_error=True)
+    with handling_signals(cfg.train.save_on_signal):
+        result = _rank_main(
+            cfg,
+            Path(run_dir),
+            console,
+            device,
+            ckpt_path=ckpt_path,
+            exit_on_error=True,
+            started=started,
+        )
+    ignore_signals(cfg.train.save_on_signal)  # this rank only hands its result back now
+    return result
 
 
 def _rank_main(
@@ -128,6 +179,7 @@ def _rank_main(
     resume: bool | None = None,
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
     exit_on_error: bool = False,
+    started: float | None = None,
 ) -> TrainResult:
     """Join the process group, find the checkpoint (all ranks, once), train, leave the group.
 
@@ -160,7 +212,9 @@ def _rank_main(
                 world=world,
                 group=ckpt_group,
             )
-        return _train_rank(cfg, run_dir, ckpt_path, console, device, datasets, ckpt_group)
+        return _train_rank(
+            cfg, run_dir, ckpt_path, console, device, datasets, ckpt_group, started=started
+        )
     except (BoostlrError, TrainingDiverged, Exception) as exc:
         # Under torchrun/srun a timed-out collective or a lost peer is one line too, not a
         # traceback from every rank; other errors go to the CLI (one line or a crash).
@@ -212,11 +266,13 @@ def _train_rank(
     device: torch.device,
     datasets: tuple[TokenDataset, TokenDataset] | None = None,
     ckpt_group: CheckpointGroup | None = None,
+    started: float | None = None,
 ) -> TrainResult:
     """Build this rank's part of the model, restore a checkpoint, run the loop.
 
     ``cfg`` is the resolved config (frozen here when a caller resolved a plain one). Saves
     and loads run on ``ckpt_group``'s group (verification's, when it made one), sized here.
+    ``started`` is when ``train.time_limit`` counts from (now, when not given).
     """
     cfg = freeze(cfg)
     torch.manual_seed(cfg.train.seed)
@@ -254,7 +310,8 @@ def _train_rank(
         phases.mark("optimizer state")
         # Saves and loads wait on the checkpoint group as long as the largest rank's shards
         # take to move at the slowest assumed rate, like verification (rundir/timeouts.py).
-        ckpt_group.size_to(sharded(model.named_parameters(), optimizer), cfg.parallel.timeout_s)
+        shards = sharded(model.named_parameters(), optimizer)
+        ckpt_group.size_to(shards, cfg.parallel.timeout_s)
         release_freed_pages()  # the build's transients; the allocator keeps the step's pages
         writer = CheckpointWriter.on_group(
             checkpoints_dir(run_dir), rank, ckpt_group, t.keep_checkpoints, t.async_ckpt, device
@@ -263,10 +320,19 @@ def _train_rank(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases
         )
         state.restart_attempt = restart_attempt()
+        # Until a save is measured, one is assumed to move the shards at the slowest rate.
+        writer.estimate_s = shard_bytes(shards) / MIN_IO_BYTES_PER_S
+        # SLURM's end time is asked once (rank 0); the stop flag's MAX tells the others.
+        limit = t.time_limit if rank == 0 or t.time_limit.strip().lower() != "auto" else "none"
+        end = deadline(limit, time.time() if started is None else started, os.environ)
+        state.stop = StopCheck(stop_group(cfg.parallel.timeout_s), end)
         if ckpt_path is not None:
             # Verified before any rank started (or by rank 0); read it as it is.
             restore(state, read_checkpoint(Path(ckpt_path)))
-        if rank == 0 and (ckpt_path is not None or state.restart_attempt > 0):
+        if rank == 0:  # a resume (or a restart before any save) re-does the later steps
             truncate_after(run_dir / METRICS_FILE, state.start_step)
-        loss, val_loss = run_steps(state, console)
-        return TrainResult(run_dir, t.steps, loss, val_loss)
+        try:
+            loss, val_loss, stopped = run_steps(state, console)
+        finally:
+            state.stop.close()
+        return TrainResult(run_dir, t.steps, loss, val_loss, stopped)

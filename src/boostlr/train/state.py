@@ -24,6 +24,7 @@ from boostlr.rundir.timeouts import checkpoint_collectives
 from boostlr.rundir.writer import CheckpointWriter, SaveStats
 from boostlr.train.memory import MemoryPhases
 from boostlr.train.optim import Anchor, lr_at, reanchor
+from boostlr.train.stopping import StopCheck
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RunState:
     restart_attempt: int = 0  # how often the launcher restarted this run's ranks
     start_step: int = 0
     lr_anchor: Anchor | None = None
+    stop: StopCheck | None = None  # asked at the end of every step: save and stop early?
 
     @property
     def distributed(self) -> bool:
