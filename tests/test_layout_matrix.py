@@ -36,6 +36,7 @@ from boostlr.analysis.comm import pp_send_bytes
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
 from boostlr.models.llama import build_model
+from boostlr.models.placement import stage_layers
 from boostlr.parallel.engine import ParallelModel
 from boostlr.train.optim import build_optimizer
 
@@ -84,8 +85,20 @@ MOE_TP_LAYOUTS = {
 }
 
 
+# LaX MoE under a pipeline (latent dispatch): (label, pp, dp, tp, ep, extra). A stage boundary
+# carries the latents the next block reads: an MoE block's B_d takes no crossing, so no
+# ``down_proj`` latent crosses into one; the dense-first row has a boundary into a dense block.
+MOE_LAX_LAYOUTS = {
+    2: [("moe pp2", 2, 1, 1, 1, {}), ("moe pp2 dense3", 2, 1, 1, 1, {"model.moe_dense_layers": 3})],
+    4: [("moe pp2tp2", 2, 1, 2, 1, {}), ("moe pp2dp2ep2", 2, 2, 1, 2, {})],
+}
+
+
 def moe_cases(world: int) -> list[tuple[str, object]]:
     cases = []
+    for (name, pp, dp, tp, ep, extra), dtype in itertools.product(MOE_LAX_LAYOUTS[world], DTYPES):
+        keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
+        cases.append((f"{name} lax btp {dtype}", layout_config("lax", "btp", pp, dp, tp, **keys)))
     for (name, pp, dp, ep), (arch, extra), dtype in itertools.product(
         MOE_LAYOUTS[world], MOE_ARCHS, DTYPES
     ):
@@ -166,6 +179,14 @@ def follow(cfg, steps: int) -> dict:
                 "grad_dtypes": grad_dtypes,
             }
         )
+    if cfg.model.moe_experts and cfg.parallel.pp > 1:  # evaluate runs its own stage sends
+        weights = _gather_full_weights(model)
+        with torch.no_grad():
+            for name, p in ref_params.items():
+                p.copy_(weights[name])
+            with autocast:
+                ref_eval = ref(inputs, targets).item()
+        report["eval"] = (model.evaluate([(inputs[mine], targets[mine])], autocast), ref_eval)
     report["param_dtypes"] = {str(p.dtype) for p in model.parameters()}
     report["pp_rank"] = model.comms.pp.rank
     return report
@@ -197,6 +218,9 @@ def check(label: str, cfg, report: dict) -> None:
             assert abs(s["norm"] - s["ref_norm"]) <= LOSS_TOL * s["ref_norm"], (label, s)
             assert s["layout64"] <= layout_bound(s["single64"]), (label, s)
     assert steps[-1]["loss"] < steps[0]["loss"], (label, [s["loss"] for s in steps])
+    if "eval" in report:
+        got, want = report["eval"]
+        assert abs(got - want) <= (BF16_LOSS_TOL if bf16 else LOSS_TOL) * abs(want), (label, got)
     p, m = cfg.parallel, cfg.model
     if p.pp > 1 and p.virtual_stages == 1:  # what crossed the stage boundary, as declared
         pp_rank = report["pp_rank"]
@@ -209,6 +233,7 @@ def check(label: str, cfg, report: dict) -> None:
             first=pp_rank == 0,
             last=pp_rank == p.pp - 1,
             act_size=2 if bf16 else 4,
+            layers=stage_layers(m.n_layers, p.num_stages, pp_rank),
         )
         assert steps[-1]["pp_bytes"] == expected, (label, steps[-1]["pp_bytes"], expected)
 

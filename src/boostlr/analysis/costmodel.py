@@ -139,7 +139,8 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
             for k, v in vol.metrics(mb * steps).items():
                 tp[k.removeprefix("comm_tp_")] += v
         if p.pp > 1:
-            pp_bytes += steps * pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a)
+            sent = pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a, layers)
+            pp_bytes += steps * sent
     params = rank_params(m, strategy, p, pp_rank, tp_rank)
     gathered = act_size(cfg)  # bf16: FSDP's mixed precision gathers bf16 parameters
     fsdp = p.data_parallel_mode == "fsdp"

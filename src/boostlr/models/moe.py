@@ -167,7 +167,8 @@ class MoEMLP(nn.Module):
     Under LaX the latents are those of the shared in-factors (``gate_proj``, ``up_proj``);
     ``down_proj`` has no in-factor of its own here, so its latent is ``None``: present, as
     whole-block checkpointing passes every crossing name through, and read by no block (the
-    blocks after an MoE block are MoE blocks, whose ``B_d`` takes no crossing).
+    blocks after an MoE block are MoE blocks, whose ``B_d`` takes no crossing), so a
+    pipeline stage boundary does not carry it (:func:`boostlr.models.shapes.crossing_latents`).
     """
 
     kind = MOE
