@@ -40,7 +40,7 @@ from boostlr.models.moe_dispatch import (
     with_capacity,
 )
 from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer, latent_sigma
-from boostlr.models.params import local
+from boostlr.models.params import forward_dtype, local
 from boostlr.models.placement import is_saved_buffer
 from boostlr.specs.arch import arch_spec
 
@@ -64,8 +64,9 @@ class Router(nn.Module):
     """``W_r : d -> E`` on the normed token, top-k, weights summing to 1.
 
     Logits and scores are computed in at least fp32 whatever the autocast dtype, so a
-    routing decision is not made on bf16 ties. ``expert_bias`` (balance ``bias``) is a
-    persistent buffer: in the state dict and checkpoints, never trained by autograd.
+    routing decision is not made on bf16 ties; the input is kept for the backward in the
+    compute dtype (:class:`_RouterLogits`), not as an fp32 copy. ``expert_bias`` (balance
+    ``bias``) is a persistent buffer: in the state dict and checkpoints, never trained by autograd.
     ``load`` counts the copies each expert was sent since the last bias update (training
     forwards only; not saved).
     """
@@ -81,10 +82,7 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> Routing:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
-        return self.select(logits)
+        return self.select(_RouterLogits.apply(x, local(self.weight), forward_dtype(x)))
 
     def select(self, logits: torch.Tensor) -> Routing:
         """The routing from logits ``[tokens, E]`` (BTP computes them row-parallel)."""
@@ -98,6 +96,33 @@ class Router(nn.Module):
             idx = torch.topk(normed, self.top_k, dim=-1).indices
         picked = normed.gather(-1, idx)
         return Routing(idx, picked / picked.sum(-1, keepdim=True), normed)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x W_r^T`` in at least fp32 (from ``x`` as it arrives), keeping ``x`` for the backward
+    in the compute dtype ``keep``: under bf16 the router holds a bf16 ``[T, d]`` (often ``x``
+    itself), not an fp32 copy of it. The weight gradient, like every weight gradient of a bf16
+    run, is then a product of bf16-rounded activations, accumulated in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, keep: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        ctx.save_for_backward(x.to(keep), w)
+        ctx.x_dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dtype), w.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dtype, gx, gw = grad.dtype, None, None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                gx = (grad @ w.to(dtype)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                flat = x.reshape(-1, x.shape[-1]).to(dtype)
+                gw = (grad.reshape(-1, grad.shape[-1]).t() @ flat).to(w.dtype)
+        return gx, gw, None
 
 
 class SharedIn(nn.Module):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from boostlr.hf.moe_grouped import combine
 from boostlr.models.moe import moe_layers
 from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
 from boostlr.parallel.collectives import (
@@ -34,14 +35,14 @@ def dropless_ep(
     tag: str = "moe",
 ) -> torch.Tensor:
     """``dropless`` (:mod:`boostlr.models.moe_dispatch`) with expert ``e`` on ep rank
-    ``e // (E / ep)`` (``fn`` takes the local index ``e % (E / ep)``): the same sum, computed
-    where the experts live.
+    ``e // (E / ep)``: the same sum, computed where the experts live.
 
     The copies, sorted by expert, are already grouped by owner. The ``[ep, E / ep]`` counts
     go first (a fixed shape), then the payload; what arrives is grouped by source rank, then
-    expert, and is regrouped by expert for ``fn``. The results go back by the reverse
-    all-to-all, and weighting and summing happen at the token's own rank, as in
-    ``dropless``. Every local expert runs, on an empty slice if it got nothing.
+    expert, and the local experts run on it as one grouped call (:func:`run_received`).
+    The results go back by the reverse all-to-all, and weighting and summing happen at the
+    token's own rank, as in ``dropless``. An expert that got nothing has an empty group
+    (its weight gradient is zero).
     """
     ep, k = comm.size, idx.shape[1]
     per = experts // ep
@@ -53,15 +54,27 @@ def dropless_ep(
     sent, got = both[: ep * per], both[ep * per :]
     send = [sum(sent[j * per : (j + 1) * per]) for j in range(ep)]
     recv = [sum(got[j * per : (j + 1) * per]) for j in range(ep)]
-    arrived = all_to_all_single(payload[token], send, recv, comm, tag).split(got)
-    # arrived[j * per + e]: source j's copies for local expert e.
-    ran = [fn(torch.cat(arrived[e::per]), e) for e in range(per)]
-    parts = [r.split([got[j * per + e] for j in range(ep)]) for e, r in enumerate(ran)]
-    back = torch.cat([parts[e][j] for j in range(ep) for e in range(per)])
+    arrived = all_to_all_single(payload[token], send, recv, comm, tag)
+    back = run_received(arrived, incoming, fn)
     out = all_to_all_single(back, recv, send, comm, tag)
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    combined = out.new_zeros(payload.shape[0], out.shape[-1])
-    return combined.index_add(0, token, out)
+    return combine(out, weights.reshape(-1)[order], token, payload.shape[0])
+
+
+def run_received(arrived: torch.Tensor, incoming: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
+    """The local experts on the rows that arrived, as one grouped call; the results in
+    arrival order (by source rank, then local expert: what the reverse all-to-all sends).
+
+    ``incoming [ep, E / ep]`` (on the device) counts each source's rows per local expert:
+    the rows are sorted by local expert once and the offsets are their running sums, so
+    nothing here reads the counts back (the one host copy is the all-to-all's sizes).
+    """
+    sources, per = incoming.shape
+    ids = torch.arange(sources * per, device=incoming.device) % per
+    expert = torch.repeat_interleave(ids, incoming.reshape(-1), output_size=arrived.shape[0])
+    order = torch.argsort(expert, stable=True)
+    offs = incoming.sum(0).cumsum(0).to(torch.int32)
+    ran = fn(arrived[order], offs)
+    return ran.new_zeros(ran.shape).index_copy(0, order, ran)
 
 
 def is_routed_expert(name: str) -> bool:
