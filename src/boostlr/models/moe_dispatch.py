@@ -1,7 +1,8 @@
 """Sending routed token copies to their experts and combining the results, on one device.
 
-Both forms compute ``out[t] = Σ_j w[t, j] · expert_{idx[t, j]}(payload[t])`` for the ``k``
-choices ``j`` of each token ``t``:
+Both forms compute ``out[t] = Σ_c w[c] · expert_{e[c]}(payload[t])`` over the routed copies
+``c`` of each token ``t`` that the router's map lists
+(:class:`~boostlr.models.moe_routing.Routing`: token, expert and weight per copy):
 
 - :func:`dropless` sorts the copies by expert and runs each expert on its contiguous slice.
   The slice sizes must be known on the host: :func:`host_counts` is the one device-to-host
@@ -20,14 +21,15 @@ the model imports nothing from the engine.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
+from boostlr.models.moe_routing import Routing
+
 ExpertFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
-#: ``(payload, idx, weights, experts, fn) -> combined``, as :func:`dropless`.
-Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, ExpertFn], torch.Tensor]
+#: ``(payload, routing, experts, fn) -> combined``, as :func:`dropless`.
+Dispatch = Callable[[torch.Tensor, Routing, int, ExpertFn], torch.Tensor]
 
 
 def host_counts(counts: torch.Tensor) -> list[int]:
@@ -40,7 +42,7 @@ def host_counts(counts: torch.Tensor) -> list[int]:
 
 
 def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
-    """Routed copies per expert, ``[experts]`` int64 on the device.
+    """Routed copies per expert (``idx``: each copy's expert), ``[experts]`` int64 on the device.
 
     A scatter-add, not ``torch.bincount``: on CUDA bincount reads the largest index back to
     size its output, a host sync this layer must not add.
@@ -50,52 +52,34 @@ def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
-def dropless(
-    payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
-    experts: int,
-    fn: ExpertFn,
-) -> torch.Tensor:
+def dropless(payload: torch.Tensor, route: Routing, experts: int, fn: ExpertFn) -> torch.Tensor:
     """Every copy computed: sort by expert, one call of ``fn(slice, e)`` per expert.
 
     Every expert runs, on an empty slice if it got no copies, so every expert parameter gets
     a gradient (zero) in every step whatever the routing.
     """
-    k = idx.shape[1]
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # copies grouped by expert, token order kept
-    token = order // k
-    sizes = host_counts(expert_counts(idx, experts))
+    order = torch.argsort(route.expert, stable=True)  # copies grouped by expert, order kept
+    token = route.token[order]
+    sizes = host_counts(expert_counts(route.expert, experts))
     chunks = payload[token].split(sizes)
     out = torch.cat([fn(chunk, e) for e, chunk in enumerate(chunks)])
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    out = out * route.weight[order].unsqueeze(-1).to(out.dtype)
     combined = out.new_zeros(payload.shape[0], out.shape[-1])
     return combined.index_add(0, token, out)
 
 
-def capacity_of(tokens: int, k: int, experts: int, factor: float) -> int:
-    """Rows per expert at capacity factor ``factor``: ``ceil(factor · tokens · k / E)``."""
-    return max(1, math.ceil(factor * tokens * k / experts))
-
-
 def with_capacity(
-    payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
-    experts: int,
-    capacity: int,
-    fn: ExpertFn,
+    payload: torch.Tensor, route: Routing, experts: int, capacity: int, fn: ExpertFn
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed shapes: each expert takes at most ``capacity`` copies; returns (combined, dropped).
 
-    Copies are served first choices first, then second choices and so on, and within a
-    choice in token order (GShard's priority), so which copies are dropped is a fixed
-    function of the routing. ``dropped`` is a 0-d int64 device tensor (no sync).
+    Copies are served in the map's priority order (the top-k router's is GShard's: first
+    choices first, then second choices and so on, within a choice in token order), so which
+    copies are dropped is a fixed function of the routing. ``dropped`` is a 0-d int64 device
+    tensor (no sync).
     """
-    tokens, k = idx.shape
-    by_choice = idx.t().reshape(-1)  # [k * tokens]: all first choices, then all second ...
-    token = torch.arange(tokens, device=idx.device).repeat(k)
+    tokens = payload.shape[0]
+    by_choice, token = route.expert, route.token  # in priority order
     one_hot = torch.nn.functional.one_hot(by_choice, experts)
     position = (one_hot.cumsum(0) - 1).gather(1, by_choice.unsqueeze(1)).squeeze(1)
     kept = position < capacity
@@ -106,7 +90,7 @@ def with_capacity(
     rows = rows.index_add(0, row, payload[token])
     out = fn(rows[:-1].view(experts, capacity, -1), None).reshape(experts * capacity, -1)
     out = torch.cat([out, out.new_zeros(1, out.shape[-1])])
-    w = weights.t().reshape(-1).to(out.dtype)
+    w = route.weight.to(out.dtype)
     combined = out.new_zeros(tokens, out.shape[-1])
     combined = combined.index_add(0, token, out[row] * w.unsqueeze(-1))
     return combined, (~kept).sum()

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from boostlr.models.moe import moe_layers
 from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
+from boostlr.models.moe_routing import Routing
 from boostlr.parallel.collectives import (
     GroupComm,
     all_reduce_,
@@ -22,12 +23,12 @@ from boostlr.parallel.collectives import (
     exchange_counts,
 )
 from boostlr.parallel.mesh import MeshComms
+from boostlr.specs.moe import is_routed_expert
 
 
 def dropless_ep(
     payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
+    route: Routing,
     experts: int,
     fn: ExpertFn,
     comm: GroupComm,
@@ -43,11 +44,11 @@ def dropless_ep(
     all-to-all, and weighting and summing happen at the token's own rank, as in
     ``dropless``. Every local expert runs, on an empty slice if it got nothing.
     """
-    ep, k = comm.size, idx.shape[1]
+    ep = comm.size
     per = experts // ep
-    order = torch.argsort(idx.reshape(-1), stable=True)
-    token = order // k
-    counts = expert_counts(idx, experts).view(ep, per)
+    order = torch.argsort(route.expert, stable=True)
+    token = route.token[order]
+    counts = expert_counts(route.expert, experts).view(ep, per)
     incoming = exchange_counts(counts, comm, tag)  # [source, local expert]
     both = host_counts(torch.cat([counts.reshape(-1), incoming.reshape(-1)]))
     sent, got = both[: ep * per], both[ep * per :]
@@ -59,15 +60,9 @@ def dropless_ep(
     parts = [r.split([got[j * per + e] for j in range(ep)]) for e, r in enumerate(ran)]
     back = torch.cat([parts[e][j] for j in range(ep) for e in range(per)])
     out = all_to_all_single(back, recv, send, comm, tag)
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    out = out * route.weight[order].unsqueeze(-1).to(out.dtype)
     combined = out.new_zeros(payload.shape[0], out.shape[-1])
     return combined.index_add(0, token, out)
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether parameter ``name`` (a global name) is a routed expert's stacked weight, the
-    tensors expert parallelism shards (the shared experts' are not)."""
-    return ".mlp.experts." in name
 
 
 def expert_rows(experts: int, ep: GroupComm) -> tuple[int, int]:
