@@ -38,7 +38,7 @@ from boostlr.models.moe_dispatch import (
     with_capacity,
 )
 from boostlr.models.moe_experts import LatentExperts, WholeExperts, latent_sigma
-from boostlr.models.moe_routing import Router, Routing
+from boostlr.models.moe_routing import Router, Routing, TopKRouter
 from boostlr.models.params import local
 from boostlr.specs.arch import arch_spec
 from boostlr.specs.moe import balance_spec, capacity_of, is_moe_layer, is_saved_buffer
@@ -129,7 +129,7 @@ class MoEMLP(nn.Module):
         self.bias_rate = cfg.moe_bias_rate
         self.aux_scale = 1.0
         self.latent = dispatch_of(cfg).shared_outer
-        self.router = Router(cfg, device)
+        self.router: Router = TopKRouter(cfg, device)
         if self.latent:
             self.gate_proj = SharedIn(cfg, layer, device)  # A_g
             self.up_proj = SharedIn(cfg, layer, device)  # A_u

@@ -9,13 +9,14 @@ fixed number of copies per token. So a router of another kind (expert choice, no
 top-k) is a module of its own returning the same map; the MoE layer
 (:class:`boostlr.models.moe.MoEMLP`), its dispatchers and its metrics stay as they are.
 
-:class:`Router` is the top-k router: each token picks ``moe_top_k`` experts, scored as its
-balance says (:class:`boostlr.specs.moe.BalanceSpec`).
+What the layer asks of a router is :class:`Router`; :class:`TopKRouter` is the top-k
+router: each token picks ``moe_top_k`` experts, scored as its balance says
+(:class:`boostlr.specs.moe.BalanceSpec`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import nn
 
 from boostlr.config import ModelConfig
 from boostlr.models.params import local
-from boostlr.specs.moe import BIAS_BUFFER, LOAD_BUFFER, balance_spec
+from boostlr.specs.moe import BIAS_BUFFER, LOAD_BUFFER, BalanceSpec, balance_spec
 
 
 class Routing(NamedTuple):
@@ -58,7 +59,27 @@ def top_k_routing(idx: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor
     return Routing(token, idx.t().reshape(-1), weights.t().reshape(-1), scores)
 
 
-class Router(nn.Module):
+class Router(Protocol):
+    """What the MoE layer, its runtimes and its step hooks ask of a router module.
+
+    ``weight [E, d]``: the logits' weight, which BTP applies row-parallel to the d-sharded
+    residual before calling ``select``; ``forward(x)`` is ``select`` of ``x``'s logits (in at
+    least fp32). ``balance``: its :class:`~boostlr.specs.moe.BalanceSpec`; with a
+    ``selection_bias`` the router holds the bias buffer (:data:`~boostlr.specs.moe.BIAS_BUFFER`)
+    that :func:`boostlr.models.moe.update_expert_biases` moves. ``load [E]`` int64: the
+    copies per expert since the last bias update (the layer adds to it).
+    """
+
+    weight: nn.Parameter
+    balance: BalanceSpec
+    load: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> Routing: ...
+
+    def select(self, logits: torch.Tensor) -> Routing: ...
+
+
+class TopKRouter(nn.Module):
     """``W_r : d -> E`` on the normed token, top-k, weights summing to 1.
 
     Logits and scores are computed in at least fp32 whatever the autocast dtype, so a
