@@ -16,6 +16,14 @@ parameter, shifts only which experts are selected and moves after each optimizer
 against the step's load (:func:`update_expert_biases`). ``aux``: softmax scores and a
 sequence-level balance loss whose gradient is added in the backward (:class:`_AddAuxGrad`),
 so no caller has to add it to the loss, pipeline stages included.
+
+The layer is a chain of plain parts: the router (:mod:`boostlr.models.moe_routing`) gives a
+routing map, a dispatch (:mod:`boostlr.models.moe_dispatch`, or the one a runtime hands the
+layer: expert parallelism's) runs the map's copies through the experts
+(:mod:`boostlr.models.moe_experts`) and sums them per token. What an MoE model *is* (its
+blocks, dispatch forms, balances, parameter names) is :mod:`boostlr.specs.moe`'s; its
+bookkeeping around a step (the balance bias, the balance loss's scale, the metrics) is the
+engine's step hook :mod:`boostlr.parallel.moe_steps`. Parallelism is applied from outside.
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ from boostlr.specs.moe import balance_spec, capacity_of, is_moe_layer, is_saved_
 
 Latents = dict[str, torch.Tensor | None]
 
-#: The :class:`MoEMLP`'s ``kind`` (:class:`~boostlr.models.mlp.BlockMLP`): only the
-#: single-device runtime runs it (:mod:`boostlr.parallel.strategies`).
+#: The :class:`MoEMLP`'s ``kind`` (:class:`~boostlr.models.mlp.BlockMLP`): the runtimes that
+#: list it in their ``MLP_KINDS`` run it (the single-device block, under dp, ep and pp; BTP,
+#: latent dispatch): :mod:`boostlr.parallel.strategies`.
 MOE = "moe"
 
 
