@@ -18,7 +18,8 @@ from boostlr.errors import ConfigError
 from boostlr.models.llama import build_model
 from boostlr.models.moe import checkpointed_buffers, moe_layers
 from boostlr.models.moe_dispatch import dropless, with_capacity
-from boostlr.models.moe_routing import Routing, TopKRouter
+from boostlr.models.moe_router import TopKRouter
+from boostlr.models.moe_routing import Routing
 from boostlr.models.placement import MOE, param_kind
 from boostlr.specs import moe as spec
 from boostlr.specs.arch import arch_spec
@@ -145,3 +146,20 @@ def test_a_router_of_another_kind_runs_through_the_layer(dispatch: str) -> None:
     room = with_capacity(payload, route, cfg.moe_experts, route.copies, m.experts)
     assert int(room[1]) == 0
     assert rel(room[0], dropless(payload, route, cfg.moe_experts, m.experts)) < 2e-5
+
+
+def test_the_routing_map_imports_torch_only() -> None:
+    """The map is the dispatch math's interface; like that math it must run without boostlr
+    (an export can carry both beside its remote code)."""
+    import ast
+
+    from boostlr.models import moe_routing
+
+    tree = ast.parse(open(moe_routing.__file__).read())
+    imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    imported |= {
+        n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+    }
+    assert imported <= {"__future__", "typing", "torch"}, imported

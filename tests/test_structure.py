@@ -542,7 +542,7 @@ def test_the_step_loop_knows_no_moe() -> None:
     moe = {n for n in graph if "moe" in n.rpartition(".")[2] or n.endswith(".expert_parallel")}
     loop = "boostlr.train.loop"
     assert not graph[loop] & moe, sorted(graph[loop] & moe)
-    assert {"boostlr.models.moe", "boostlr.specs.moe", "boostlr.models.moe_routing"} <= moe
+    assert {"boostlr.models.moe", "boostlr.specs.moe", "boostlr.models.moe_router"} <= moe
     source = ast.parse((PACKAGE / "train" / "loop.py").read_text())
     words = {n.id for n in ast.walk(source) if isinstance(n, ast.Name)}
     words |= {n.attr for n in ast.walk(source) if isinstance(n, ast.Attribute)}

@@ -17,12 +17,13 @@ against the step's load (:func:`update_expert_biases`). ``aux``: softmax scores 
 sequence-level balance loss whose gradient is added in the backward (:class:`_AddAuxGrad`),
 so no caller has to add it to the loss, pipeline stages included.
 
-The layer is a chain of plain parts: the router (:mod:`boostlr.models.moe_routing`) gives a
-routing map, a dispatch (:mod:`boostlr.models.moe_dispatch`, or the one a runtime hands the
-layer: expert parallelism's) runs the map's copies through the experts
-(:mod:`boostlr.models.moe_experts`) and sums them per token. What an MoE model *is* (its
-blocks, dispatch forms, balances, parameter names) is :mod:`boostlr.specs.moe`'s; its
-bookkeeping around a step (the balance bias, the balance loss's scale, the metrics) is the
+The layer is a chain of plain parts: the router (:mod:`boostlr.models.moe_router`) gives
+a routing map (:mod:`boostlr.models.moe_routing`); a dispatch
+(:mod:`boostlr.models.moe_dispatch`, or the one a runtime hands the layer: expert
+parallelism's) runs the map's copies through the experts (:mod:`boostlr.models.moe_experts`)
+and sums them per token. What an MoE model *is* (its blocks, dispatch forms, balances,
+parameter names) is :mod:`boostlr.specs.moe`'s; its bookkeeping around a step (the balance
+bias, the balance loss's scale, the metrics) is the
 engine's step hook :mod:`boostlr.parallel.moe_steps`. Parallelism is applied from outside.
 """
 
@@ -46,7 +47,8 @@ from boostlr.models.moe_dispatch import (
     with_capacity,
 )
 from boostlr.models.moe_experts import LatentExperts, WholeExperts, latent_sigma
-from boostlr.models.moe_routing import Router, Routing, TopKRouter
+from boostlr.models.moe_router import Router, TopKRouter
+from boostlr.models.moe_routing import Routing
 from boostlr.models.params import local
 from boostlr.specs.arch import arch_spec
 from boostlr.specs.moe import balance_spec, capacity_of, is_moe_layer, is_saved_buffer
