@@ -93,7 +93,6 @@ def _rank(args: argparse.Namespace, ep: int) -> dict[str, dict[str, Any]]:
     import torch.distributed as dist
     from common import Part, interleave, random_batch
 
-    from boostlr.models.moe import update_expert_biases
     from boostlr.parallel.launch import init_distributed
     from boostlr.train.host_alloc import allocated_bytes_reader
     from boostlr.train.memory import AllocatedPeak, held_tensor_mb
@@ -116,8 +115,7 @@ def _rank(args: argparse.Namespace, ep: int) -> dict[str, dict[str, Any]]:
         model.global_mean(loss)
         model.clip_gradients(part.cfg.train.grad_clip)
         optimizer.step()
-        dp = model.comms.dp.group if model.comms.dp.size > 1 else None
-        update_expert_biases(model.moe_layers(), group=dp)
+        model.after_optimizer_step()
 
     results: dict[str, dict[str, Any]] = {
         label: {"bytes": [], "comm": [], "times": []} for label in parts

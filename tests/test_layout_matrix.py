@@ -132,7 +132,6 @@ def _exact(ref: torch.nn.Module, inputs, targets) -> tuple[float, dict[str, torc
 def follow(cfg, steps: int) -> dict:
     """``steps`` clipped AdamW steps of the layout, each against one device (same dtype)."""
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    model.moe_layers()  # as the trainer: the balance loss scaled as the LM loss (if any)
     opt = build_optimizer(model.parameters(), cfg.train, fused=False)
     ref = build_model(cfg.model, seed=cfg.train.seed)
     ref_params = dict(ref.named_parameters())

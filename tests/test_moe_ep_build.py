@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.expert_parallel import is_routed_expert
+from boostlr.specs.moe import is_routed_expert
 
 cpu = torch.device("cpu")
 MOE = {

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.expert_parallel import is_routed_expert
 from boostlr.rundir import dcp_io
+from boostlr.specs.moe import is_routed_expert
 
 cpu = torch.device("cpu")
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}

@@ -10,8 +10,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from boostlr.config import ModelConfig, resolve_model
 from boostlr.config.validate_moe import validate_moe
-from boostlr.models.moe import Router, make_moe_mlp
+from boostlr.models.moe import make_moe_mlp
 from boostlr.models.moe_dispatch import dropless
+from boostlr.models.moe_router import TopKRouter
+from boostlr.models.moe_routing import top_k_routing
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -41,7 +43,7 @@ def test_the_router_keeps_its_input_in_the_compute_dtype() -> None:
     """Under bf16 autocast an fp32 ``[T, d]`` router input is kept as bf16 (half the bytes of
     an fp32 copy); the logits are still fp32 and the input gradient is the input's dtype."""
     cfg = _cfg()
-    router = Router(cfg)
+    router = TopKRouter(cfg)
     torch.nn.init.normal_(router.weight)
     x = torch.randn(64, cfg.dim, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -50,8 +52,8 @@ def test_the_router_keeps_its_input_in_the_compute_dtype() -> None:
     inputs = [t for t in kept if t.shape == x.shape]
     assert inputs and all(t.dtype == torch.bfloat16 for t in inputs), [t.dtype for t in inputs]
     assert sum(t.numel() * t.element_size() for t in inputs) == x.numel() * 2
-    assert route.weights.dtype == torch.float32
-    route.weights.sum().backward()
+    assert route.weight.dtype == torch.float32
+    route.weight.sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.float32
     assert router.weight.grad is not None and router.weight.grad.dtype == torch.float32
 
@@ -59,17 +61,17 @@ def test_the_router_keeps_its_input_in_the_compute_dtype() -> None:
 def test_the_router_in_fp32_is_the_plain_linear() -> None:
     """Without autocast the router's logits and gradients are ``F.linear``'s, bit for bit."""
     cfg = _cfg()
-    router = Router(cfg)
+    router = TopKRouter(cfg)
     torch.nn.init.normal_(router.weight)
     x = torch.randn(16, cfg.dim, requires_grad=True)
     route = router(x)
-    route.weights.square().sum().backward()
+    route.weight.square().sum().backward()
     gx, gw = x.grad.clone(), router.weight.grad.clone()
     x.grad, router.weight.grad = None, None
     logits = torch.nn.functional.linear(x, router.weight)
     again = router.select(logits)
-    assert torch.equal(again.weights, route.weights)
-    again.weights.square().sum().backward()
+    assert torch.equal(again.weight, route.weight)
+    again.weight.square().sum().backward()
     assert torch.equal(x.grad, gx) and torch.equal(router.weight.grad, gw)
 
 
@@ -81,7 +83,8 @@ def test_a_tokens_results_are_summed_in_fp32() -> None:
     payload = torch.randn(4, 64, generator=gen).bfloat16()
     idx = torch.tensor([[0, 1, 2]]).repeat(4, 1)
     weights = torch.softmax(torch.randn(4, 3, generator=gen), -1)
-    out = dropless(payload, idx, weights, 3, lambda x, _: x)
+    route = top_k_routing(idx, weights, torch.zeros(4, 3))
+    out = dropless(payload, route, 3, lambda x, _: x)
     exact = (payload.double() * weights.double().sum(-1, keepdim=True)).bfloat16()
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, exact)

@@ -23,10 +23,11 @@ from parallel_cases import layout_config, resident_bytes, step_once
 
 from boostlr.analysis.costmodel import comm_metrics, planning_config, state_bytes
 from boostlr.analysis.hardware import load_profile
-from boostlr.analysis.moe import is_moe_layer, routed_widths
+from boostlr.analysis.moe import routed_widths
 from boostlr.analysis.plan import candidates, load_config, search
 from boostlr.cli import main
 from boostlr.config import build_config
+from boostlr.specs.moe import is_moe_layer
 from boostlr.trace.compare import format_trace, trace_json
 from boostlr.trace.moe_routing import balanced_counts, balanced_routing
 from boostlr.trace.run import trace_rank
@@ -221,9 +222,11 @@ def test_balanced_routing_swaps_only_the_count_read_and_puts_it_back() -> None:
 
 
 def test_the_planners_moe_layers_are_the_models() -> None:
-    from boostlr.models import moe_experts
+    """The planner counts the blocks the spec names MoE, and the model builds exactly those."""
+    from boostlr.models.llama import LlamaModel
+    from boostlr.models.moe import MoEMLP
 
     cfg = moe_config("cola", 1, 1, **{"model.moe_dense_layers": 1}).model
-    assert [is_moe_layer(cfg, i) for i in range(cfg.n_layers)] == [
-        moe_experts.is_moe_layer(cfg, i) for i in range(cfg.n_layers)
-    ]
+    model = LlamaModel(cfg, device="meta")
+    built = [isinstance(model.layers[str(i)].mlp, MoEMLP) for i in range(cfg.n_layers)]
+    assert built == [is_moe_layer(cfg, i) for i in range(cfg.n_layers)] == [False, True]

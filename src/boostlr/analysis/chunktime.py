@@ -32,9 +32,9 @@ from boostlr.analysis.gemms import (
 )
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import FP32, RankParams, stage_modules
-from boostlr.analysis.moe import is_moe_layer
 from boostlr.config import ModelConfig, ParallelConfig, RunConfig
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe_layer
 
 # The optimizer step as the trainer runs it (``train/loop.py``): gradient clipping (two
 # foreach ops), then fused AdamW, one kernel per parameter group on plain tensors and on

@@ -65,8 +65,6 @@ from boostlr.analysis.moe import (
     ep_micro_calls,
     expert_grad_bytes,
     expert_weights_per_layer,
-    is_moe,
-    moe_layer_count,
     moe_mlp_activation,
     moe_summary,
 )
@@ -74,6 +72,7 @@ from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
 from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe, moe_layer_count
 from boostlr.specs.schedule import VIRTUAL_SLOTS, schedule_spec
 from boostlr.specs.strategy import spec_or_none
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from boostlr.analysis.comm import vocab_dp
-from boostlr.analysis.moe import is_routed_expert_name
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, shard_dim, stage_ids, stage_layers
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_routed_expert
 from boostlr.specs.schedule import schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
@@ -127,7 +127,7 @@ def _rank_params(
                     continue
             elif layer not in blocks:
                 continue
-            if p.ep > 1 and is_routed_expert_name(name):  # E/ep rows, no FSDP unit
+            if p.ep > 1 and is_routed_expert(name):  # E/ep rows, no FSDP unit
                 n = shape[0] // p.ep * math.prod(shape[1:])
                 local, experts = local + n, experts + n
                 continue

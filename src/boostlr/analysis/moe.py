@@ -1,8 +1,11 @@
 """The mixture-of-experts terms of the cost model (docs/moe.md, "Planning"; design notes §9).
 
-An MoE block runs only on the single-device block (``tp = pp = 1``), under data parallelism
-and expert parallelism (``parallel.ep`` ranks carved out of dp). What differs from a dense
-block, and is counted here:
+An MoE block trains under data parallelism, expert parallelism (``parallel.ep`` ranks carved
+out of dp), a pipeline and BTP (latent dispatch); the cost model prices it on the
+single-device block (``boostlr plan`` refuses MoE at ``tp > 1`` until it has a BTP MoE
+block). What the facts of an MoE model are (its blocks, what a routed copy carries, its
+expert parameters) is :mod:`boostlr.specs.moe`'s; what differs from a dense block, and is
+counted here:
 
 * **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` exchanges the
   ``[ep, E/ep]`` int64 counts (one all-to-all, forward only), sends each routed copy out
@@ -24,48 +27,23 @@ block, and is counted here:
 from __future__ import annotations
 
 from boostlr.config import ModelConfig, ParallelConfig
-from boostlr.config.validate_moe import moe_dispatch_of
+from boostlr.config.validate_moe import dispatch_of, moe_dispatch_of
 from boostlr.specs.arch import arch_spec
-
-FP32 = 4
-COUNT_BYTES = 8  # the count exchange's int64
-
-
-def is_moe(m: ModelConfig) -> bool:
-    return m.moe_experts > 0
-
-
-def is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    """As :func:`boostlr.models.moe_experts.is_moe_layer`, without importing torch."""
-    return m.moe_experts > 0 and layer >= m.moe_dense_layers
-
-
-def is_routed_expert_name(name: str) -> bool:
-    """As :func:`boostlr.parallel.expert_parallel.is_routed_expert` (a global parameter
-    name), without importing the engine: the weights expert parallelism shards."""
-    return ".mlp.experts." in name
-
-
-def moe_layer_count(m: ModelConfig, layers: range) -> int:
-    """How many of ``layers`` are MoE blocks."""
-    return sum(1 for i in layers if is_moe_layer(m, i))
+from boostlr.specs.moe import COUNT_BYTES, FP32, balance_spec, moe_layer_count
 
 
 def latent_dispatch(m: ModelConfig) -> bool:
-    return moe_dispatch_of(m) == "latent"
+    """Whether the experts share the outer factors (a copy travels as the latent)."""
+    return dispatch_of(m).shared_outer
 
 
 def routed_widths(m: ModelConfig, act: int) -> tuple[int, int, int, int]:
-    """(dispatch elements, their bytes, combine elements, their bytes) per routed copy.
-
-    ``latent``: ``z = [σ(A_g x) | σ(A_u x)]`` out and ``σ(A_d^e h)`` back, both in the compute
-    dtype (``act``): 3r elements. ``hidden``: the normed token (the fp32 residual's norm,
-    not cast: autocast casts at the experts' GEMMs) out, the expert's output (a GEMM's, in
-    the compute dtype) back: 2d elements."""
-    if latent_dispatch(m):
-        r = m.rank or 0
-        return 2 * r, act, r, act
-    return m.dim, FP32, m.dim, act
+    """(dispatch elements, their bytes, combine elements, their bytes) per routed copy, as
+    the dispatch form's spec states them (:meth:`~boostlr.specs.moe.DispatchSpec.copy_widths`,
+    ``copy_bytes``)."""
+    spec = dispatch_of(m)
+    (out, back), (out_bytes, back_bytes) = spec.copy_widths(m.dim, m.rank), spec.copy_bytes(act)
+    return out, out_bytes, back, back_bytes
 
 
 def elements_per_copy(m: ModelConfig) -> int:
@@ -120,7 +98,8 @@ def expert_grad_bytes(p: ParallelConfig, expert_elements: int) -> int:
 
 def buffer_bytes(m: ModelConfig, layers: range) -> int:
     """The routers' buffers: the balance bias (fp32, ``bias`` only) and the load (int64)."""
-    per = m.moe_experts * (COUNT_BYTES + (FP32 if m.moe_balance == "bias" else 0))
+    bias = FP32 if balance_spec(m.moe_balance).selection_bias else 0
+    per = m.moe_experts * (COUNT_BYTES + bias)
     return per * moe_layer_count(m, layers)
 
 

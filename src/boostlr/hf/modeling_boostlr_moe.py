@@ -46,6 +46,7 @@ from .moe_grouped import (
     grouped_widths_fit,
     run_experts,
     stacked_linear,
+    top_k_copies,
     with_capacity,
 )
 
@@ -218,11 +219,12 @@ class BoostlrMoeMLP(nn.Module):
             payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
         else:
             payload = tokens
+        copies = top_k_copies(idx, weights)
         if self.capacity:
             cap = capacity_of(idx.shape[0], idx.shape[1], self.experts_n, self.capacity)
-            out, _ = with_capacity(payload, idx, weights, self.experts_n, cap, self.experts)
+            out, _ = with_capacity(payload, *copies, self.experts_n, cap, self.experts)
         else:
-            out = dropless(payload, idx, weights, self.experts_n, self.experts)
+            out = dropless(payload, *copies, self.experts_n, self.experts)
         if hasattr(self, "shared"):
             out = out + self.shared(payload, None).sum(0)
         if self.latent:

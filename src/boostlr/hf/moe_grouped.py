@@ -7,16 +7,20 @@ an MoE export copies it byte for byte beside its remote code
 (``modeling_boostlr_moe.py`` imports it relatively), so a transformers-loaded model runs the
 very same dispatch without boostlr installed.
 
-Every form computes ``out[t] = Σ_j w[t, j] · expert_{idx[t, j]}(payload[t])``:
+The routed copies arrive as a routing map of three flat tensors (boostlr's
+:class:`~boostlr.models.moe_routing.Routing`, passed here as plain tensors so this file needs
+no boostlr): copy ``c`` sends token ``token[c]`` to expert ``expert[c]`` with weight
+``weight[c]``, in priority order (:func:`top_k_copies` lists a top-k router's choices so).
+Every form computes ``out[t] = Σ_{c: token[c] = t} weight[c] · expert_{expert[c]}(payload[t])``:
 
-- **Grouped** (:func:`dropless`, :func:`run_experts` with ``grouped``): the ``T·k``
-  copies are sorted by expert once; each stacked weight ``[E, d_out, d_in]`` is applied to
+- **Grouped** (:func:`dropless`, :func:`run_experts` with ``grouped``): the copies are
+  sorted by expert once; each stacked weight ``[E, d_out, d_in]`` is applied to
   all the sorted rows by one ``torch.nn.functional.grouped_mm`` with the int32 cumulative
   row counts ``offs`` on the device (:func:`stacked_linear`), and its backward is two more
-  grouped calls. The
-  row count ``T·k`` is fixed, so nothing is read back to the host; there is no per-expert
-  indexing of a weight stack (``stack[e]``'s backward would zero-fill a whole-stack
-  gradient per expert) and no loop over experts: the op count does not depend on ``E``.
+  grouped calls. The row count (the number of copies) is fixed, so nothing is read back to
+  the host; there is no per-expert indexing of a weight stack (``stack[e]``'s backward
+  would zero-fill a whole-stack gradient per expert) and no loop over experts: the op
+  count does not depend on ``E``.
 - **Padded** (``grouped`` false: where the device has no grouped kernel for the dtype or
   the widths, or torch's would read the offsets back itself): the sorted rows are
   scattered into one ``[E, rows, width]`` buffer whose ``rows`` is the busiest expert's
@@ -103,17 +107,25 @@ def stacked_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) 
     return _GroupedLinear.apply(x.to(w.dtype), w, offs)
 
 
-def sort_by_expert(
-    idx: torch.Tensor, experts: int
+def top_k_copies(
+    idx: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routed copies sorted by expert (token order kept within an expert):
-    ``(order, token, offs)``; copy ``order[i]`` (of ``idx.reshape(-1)``) is sorted row ``i``,
-    of token ``token[i]``; ``offs`` (int32 ``[E]``) ends each expert's rows. All on the
-    device: nothing is read back (the row count ``T·k`` is known)."""
-    k = idx.shape[1]
-    order = torch.argsort(idx.reshape(-1), stable=True)
-    offs = expert_counts(idx, experts).cumsum(0).to(torch.int32)
-    return order, order // k, offs
+    """The copies ``(token, expert, weight)`` of each token's ``k`` choices ``idx, weights
+    [tokens, k]``, in GShard's priority: every token's first choice (in token order), then
+    every second choice, ..."""
+    tokens, k = idx.shape
+    token = torch.arange(tokens, device=idx.device).repeat(k)
+    return token, idx.t().reshape(-1), weights.t().reshape(-1)
+
+
+def sort_by_expert(expert: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copies sorted by expert (their order kept within an expert): ``(order, offs)``;
+    copy ``order[i]`` is sorted row ``i``; ``offs`` (int32 ``[E]``) ends each expert's rows.
+    All on the device: nothing is read back (the row count, the number of copies, is
+    known)."""
+    order = torch.argsort(expert, stable=True)
+    offs = expert_counts(expert, experts).cumsum(0).to(torch.int32)
+    return order, offs
 
 
 def run_experts(
@@ -150,12 +162,18 @@ def combine(out: torch.Tensor, w: torch.Tensor, token: torch.Tensor, tokens: int
 
 
 def dropless(
-    payload: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: int, fn: ExpertFn
+    payload: torch.Tensor,
+    token: torch.Tensor,
+    expert: torch.Tensor,
+    weight: torch.Tensor,
+    experts: int,
+    fn: ExpertFn,
 ) -> torch.Tensor:
     """Every copy computed: sorted by expert once, the experts on the sorted rows
     (``fn(rows, offs)``), the results weighted and summed per token."""
-    order, token, offs = sort_by_expert(idx, experts)
-    return combine(fn(payload[token], offs), weights.reshape(-1)[order], token, payload.shape[0])
+    order, offs = sort_by_expert(expert, experts)
+    token = token[order]
+    return combine(fn(payload[token], offs), weight[order], token, payload.shape[0])
 
 
 def capacity_of(tokens: int, k: int, experts: int, factor: float) -> int:
@@ -165,36 +183,33 @@ def capacity_of(tokens: int, k: int, experts: int, factor: float) -> int:
 
 def with_capacity(
     payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
+    token: torch.Tensor,
+    expert: torch.Tensor,
+    weight: torch.Tensor,
     experts: int,
     capacity: int,
     fn: ExpertFn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed shapes: each expert takes at most ``capacity`` copies; returns (combined, dropped).
 
-    Copies are served first choices first, then second choices and so on, and within a
-    choice in token order (GShard's priority), so which copies are dropped is a fixed
-    function of the routing. A copy's place in its expert's queue comes from one stable
-    sort of the copies by expert (no ``[k·T, E]`` one-hot). ``dropped`` is a 0-d int64
-    device tensor (no sync).
+    Copies are served in their priority order (a top-k router's is GShard's: first choices
+    first, then second choices and so on, within a choice in token order), so which copies
+    are dropped is a fixed function of the routing. A copy's place in its expert's queue
+    comes from one stable sort of the copies by expert (no ``[copies, E]`` one-hot).
+    ``dropped`` is a 0-d int64 device tensor (no sync).
     """
-    tokens, k = idx.shape
-    by_choice = idx.t().reshape(-1)  # [k * tokens]: all first choices, then all second ...
-    token = torch.arange(tokens, device=idx.device).repeat(k)
-    order = torch.argsort(by_choice, stable=True)
-    counts = expert_counts(by_choice, experts)
+    order = torch.argsort(expert, stable=True)
+    counts = expert_counts(expert, experts)
     start = counts.cumsum(0) - counts
-    sorted_expert = by_choice[order]
-    rank = torch.arange(by_choice.numel(), device=idx.device) - start[sorted_expert]
+    rank = torch.arange(expert.numel(), device=expert.device) - start[expert[order]]
     position = torch.empty_like(rank).scatter_(0, order, rank)
     kept = position < capacity
     # Dropped copies go to one spare row past the experts' rows: no expert reads it, and it
     # reads back as zeros, so a dropped copy adds nothing (and its weight gets no gradient).
-    row = torch.where(kept, by_choice * capacity + position, experts * capacity)
+    row = torch.where(kept, expert * capacity + position, experts * capacity)
     rows = payload.new_zeros(experts * capacity + 1, payload.shape[-1])
     rows = rows.index_add(0, row, payload[token])
     out = fn(rows[:-1].view(experts, capacity, -1), None).reshape(experts * capacity, -1)
     out = torch.cat([out, out.new_zeros(1, out.shape[-1])])
-    combined = combine(out[row], weights.t().reshape(-1), token, tokens)
+    combined = combine(out[row], weight, token, payload.shape[0])
     return combined, (~kept).sum()

@@ -1,11 +1,14 @@
 """Sending routed token copies to their experts and combining the results, on one device.
 
-The math is :mod:`boostlr.hf.moe_grouped` (torch-only, shared with the export's remote
-code): :func:`dropless` sorts the copies by expert once and runs the experts on the sorted
+The dispatch reads the router's map (:class:`~boostlr.models.moe_routing.Routing`: token,
+expert and weight per copy) and computes ``out[t] = Σ_c w[c] · expert_{e[c]}(payload[t])``
+over the routed copies ``c`` of each token ``t``. The math is :mod:`boostlr.hf.moe_grouped`
+(torch-only, shared with the export's remote code, so it takes the map's tensors, not the
+map): :func:`dropless` sorts the copies by expert once and runs the experts on the sorted
 rows, each factor one grouped GEMM with device offsets, so at ep 1 nothing is read back to
 the host; :func:`with_capacity` gives every expert ``capacity`` rows of one
 ``[E, capacity, width]`` buffer (fixed shapes, one batched GEMM per factor; the copies past
-an expert's capacity are dropped and counted).
+an expert's capacity, in the map's priority order, are dropped and counted).
 
 What stays here is the runtime's side: which form the experts run on this device
 (:func:`grouped_here`, the platform's answer, decided once per device and dtype) and the
@@ -24,20 +27,14 @@ from collections.abc import Callable
 
 import torch
 
-from boostlr.hf.moe_grouped import (
-    ExpertFn,
-    capacity_of,
-    dropless,
-    expert_counts,
-    grouped_widths_fit,
-    with_capacity,
-)
+from boostlr.hf import moe_grouped
+from boostlr.hf.moe_grouped import ExpertFn, expert_counts, grouped_widths_fit
+from boostlr.models.moe_routing import Routing
 from boostlr.platform import platform_for
 
 __all__ = [
     "Dispatch",
     "ExpertFn",
-    "capacity_of",
     "dropless",
     "expert_counts",
     "grouped_here",
@@ -46,8 +43,8 @@ __all__ = [
     "with_capacity",
 ]
 
-#: ``(payload, idx, weights, experts, fn) -> combined``, as :func:`dropless`.
-Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, ExpertFn], torch.Tensor]
+#: ``(payload, routing, experts, fn) -> combined``, as :func:`dropless`.
+Dispatch = Callable[[torch.Tensor, Routing, int, ExpertFn], torch.Tensor]
 
 
 def host_counts(counts: torch.Tensor) -> list[int]:
@@ -73,3 +70,19 @@ def grouped_here(device: torch.device, dtype: torch.dtype, widths: tuple[int, ..
     (:func:`boostlr.hf.moe_grouped.run_experts`)."""
     runs = platform_for(device).grouped_mm_runs(device, dtype)
     return runs and grouped_widths_fit(widths, dtype)
+
+
+def dropless(payload: torch.Tensor, route: Routing, experts: int, fn: ExpertFn) -> torch.Tensor:
+    """Every copy of the map computed (:func:`boostlr.hf.moe_grouped.dropless`): sorted by
+    expert once, each expert GEMM one grouped call on the sorted rows."""
+    return moe_grouped.dropless(payload, route.token, route.expert, route.weight, experts, fn)
+
+
+def with_capacity(
+    payload: torch.Tensor, route: Routing, experts: int, capacity: int, fn: ExpertFn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert takes at most ``capacity`` of the map's copies, in its priority order
+    (:func:`boostlr.hf.moe_grouped.with_capacity`); returns (combined, dropped)."""
+    return moe_grouped.with_capacity(
+        payload, route.token, route.expert, route.weight, experts, capacity, fn
+    )

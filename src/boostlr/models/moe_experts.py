@@ -26,6 +26,7 @@ from boostlr.models.lowrank import cola_std
 from boostlr.models.moe_dispatch import grouped_here, host_max
 from boostlr.models.params import forward_dtype, local
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import ROUTER, is_moe_layer
 
 
 def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
@@ -154,11 +155,6 @@ def latent_sigma(cfg: ModelConfig) -> bool:
     return arch_spec(cfg.arch).latent_activation
 
 
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether block ``layer`` has the MoE MLP (the first ``moe_dense_layers`` stay dense)."""
-    return cfg.moe_experts > 0 and layer >= cfg.moe_dense_layers
-
-
 def moe_init_rule(cfg: ModelConfig, name: str) -> float | str | None:
     """The init std of a MoE layer's parameter ``name`` (a global name, ``layers.{i}.mlp.*``);
     ``None`` when the name is not a MoE parameter or the dense rules apply (LaX's crossing).
@@ -172,7 +168,7 @@ def moe_init_rule(cfg: ModelConfig, name: str) -> float | str | None:
         return None
     if not is_moe_layer(cfg, int(parts[1])) or ".cross." in name:
         return None
-    if parts[3] == "router":
+    if parts[3] == ROUTER:
         return cfg.init_std
     linear = next((p for p in parts if p.endswith("_proj")), None)
     if linear is None:

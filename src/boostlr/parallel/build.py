@@ -29,13 +29,13 @@ from boostlr.parallel.data_parallel import apply_data_parallel
 from boostlr.parallel.expert_parallel import (
     as_expert_dtensor,
     expert_rows,
-    is_routed_expert,
     use_expert_parallel,
 )
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.sharding import ShardSpec, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.platform import platform_for
+from boostlr.specs.moe import is_routed_expert
 
 
 def build_stages(

@@ -25,10 +25,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from boostlr._torch_internals import DefaultAllGather, DefaultReduceScatter, in_backward
 from boostlr.parallel.collectives import GroupComm
-from boostlr.parallel.expert_parallel import is_routed_expert
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.platform import fsdp_in_place_collectives
+from boostlr.specs.moe import is_routed_expert
 
 
 def _phase(comm: GroupComm) -> str:

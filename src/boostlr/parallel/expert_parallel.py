@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from boostlr.hf.moe_grouped import combine
 from boostlr.models.moe import moe_layers
 from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
+from boostlr.models.moe_routing import Routing
 from boostlr.parallel.collectives import (
     GroupComm,
     all_reduce_,
@@ -23,12 +24,12 @@ from boostlr.parallel.collectives import (
     exchange_counts,
 )
 from boostlr.parallel.mesh import MeshComms
+from boostlr.specs.moe import is_routed_expert
 
 
 def dropless_ep(
     payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
+    route: Routing,
     experts: int,
     fn: ExpertFn,
     comm: GroupComm,
@@ -44,11 +45,11 @@ def dropless_ep(
     token's own rank, as in ``dropless``. An expert that got nothing has an empty group
     (its weight gradient is zero).
     """
-    ep, k = comm.size, idx.shape[1]
+    ep = comm.size
     per = experts // ep
-    order = torch.argsort(idx.reshape(-1), stable=True)
-    token = order // k
-    counts = expert_counts(idx, experts).view(ep, per)
+    order = torch.argsort(route.expert, stable=True)
+    token = route.token[order]
+    counts = expert_counts(route.expert, experts).view(ep, per)
     incoming = exchange_counts(counts, comm, tag)  # [source, local expert]
     both = host_counts(torch.cat([counts.reshape(-1), incoming.reshape(-1)]))
     sent, got = both[: ep * per], both[ep * per :]
@@ -57,7 +58,7 @@ def dropless_ep(
     arrived = all_to_all_single(payload[token], send, recv, comm, tag)
     back = run_received(arrived, incoming, fn)
     out = all_to_all_single(back, recv, send, comm, tag)
-    return combine(out, weights.reshape(-1)[order], token, payload.shape[0])
+    return combine(out, route.weight[order], token, payload.shape[0])
 
 
 def run_received(arrived: torch.Tensor, incoming: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
@@ -75,12 +76,6 @@ def run_received(arrived: torch.Tensor, incoming: torch.Tensor, fn: ExpertFn) ->
     offs = incoming.sum(0).cumsum(0).to(torch.int32)
     ran = fn(arrived[order], offs)
     return ran.new_zeros(ran.shape).index_copy(0, order, ran)
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether parameter ``name`` (a global name) is a routed expert's stacked weight, the
-    tensors expert parallelism shards (the shared experts' are not)."""
-    return ".mlp.experts." in name
 
 
 def expert_rows(experts: int, ep: GroupComm) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from boostlr.config import RunConfig
+from boostlr.specs.moe import is_moe
 
 #: Where the layer's count read is looked up (the single-device dropless dispatch, and the
 #: expert-parallel one, which imports it by name).
@@ -42,7 +43,7 @@ def balanced_counts(copies: int, experts: int) -> list[int]:
 def balanced_routing(cfg: RunConfig) -> Iterator[None]:
     """While inside, MoE layers read balanced counts instead of their routing's."""
     m = cfg.model
-    if m.moe_experts == 0:
+    if not is_moe(m):
         yield
         return
     import importlib
