@@ -159,7 +159,8 @@ class MoEMLP(nn.Module):
     """The MoE MLP: ``forward(x, z_prev) -> (y, latents)``, as the dense MLP's.
 
     After a forward, ``aux_loss`` holds the balance loss (coefficient applied, detached; 0-d,
-    balance ``aux`` only) and ``dropped`` the copies over capacity (0-d int64; capacity only),
+    balance ``aux`` only) and ``dropped`` the copies over capacity, or over expert
+    parallelism's receive bound (0-d int64; ``None`` when dropless at ep 1),
     both device tensors for the metrics: reading them is the caller's host sync.
     ``aux_scale`` is the factor the trainer applies to the LM loss before its backward
     (1 / micro-batches per step); the balance loss's gradient is scaled by it.
@@ -263,7 +264,7 @@ class MoEMLP(nn.Module):
         """Add one forward's routed copies per expert, dropped copies and balance loss."""
         assert self.stats is not None
         self.stats[: self.experts_n] += expert_counts(route.idx, self.experts_n)
-        if self.capacity and self.dropped is not None:
+        if self.dropped is not None:
             self.stats[-2] += self.dropped
         if self.aux_coef and self.aux_loss is not None:
             self.stats[-1] += self.aux_loss
@@ -276,7 +277,8 @@ class MoEMLP(nn.Module):
         runtime that wraps their weights: BTP sums their gradients over TP)."""
         fn = self.experts if fn is None else fn
         if self.dispatch is not None:
-            return self.dispatch(payload, route.idx, route.weights, self.experts_n, fn)
+            out, self.dropped = self.dispatch(payload, route.idx, route.weights, self.experts_n, fn)
+            return out
         if not self.capacity:
             return dropless(payload, route.idx, route.weights, self.experts_n, fn)
         tokens, k = route.idx.shape

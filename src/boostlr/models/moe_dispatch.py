@@ -26,8 +26,11 @@ from collections.abc import Callable
 import torch
 
 ExpertFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
-#: ``(payload, idx, weights, experts, fn) -> combined``, as :func:`dropless`.
-Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, ExpertFn], torch.Tensor]
+#: ``(payload, idx, weights, experts, fn) -> (combined, dropped)``: :func:`dropless`'s
+#: arguments, and the copies it dropped (0-d int64 on the device).
+Dispatch = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, ExpertFn], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def host_counts(counts: torch.Tensor) -> list[int]:
