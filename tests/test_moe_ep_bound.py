@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +315,68 @@ def _reduced_plain(grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 def test_capacity_at_ep_equals_the_one_device_capacity_path(world: int, ep: int) -> None:
     got = run_distributed(_capacity_checks, world, ep, 1.0, timeout_s=240)
     assert sum(r["dropped"] for r in got) > 0  # the drops were exercised
+
+
+# ------------------------------------------------------------------ the trainer
+
+
+def _train_hot(rank: int, world: int, data: str, run_dir: str, overrides: dict) -> dict:
+    """Train this rank's part with every token routed to experts 0 and 1 (ep rank 0's),
+    noting each payload all-to-all's received rows and each bound's quotas."""
+    from test_train import tiny_run_config
+
+    from boostlr.config import resolve
+    from boostlr.models.moe import Router
+    from boostlr.train import run as trainer
+
+    cfg = tiny_run_config(Path(data), **overrides)
+    datasets = trainer.open_datasets(cfg)
+    cfg = resolve(cfg, datasets[0])
+    select = Router.select
+
+    def hot(self, logits):
+        offset = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        offset[:2] = 30.0  # experts 0 and 1 win every selection
+        return select(self, logits + offset)
+
+    Router.select = hot
+    try:
+        with _Received() as seen:
+            trainer._train_rank(cfg, Path(run_dir), None, False, torch.device("cpu"), datasets)
+    finally:
+        Router.select = select
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    return {"received": seen.rows, "quotas": seen.quotas, "tokens": tokens}
+
+
+def test_hot_expert_trains_within_the_bound(small_dataset: Path, tmp_path: Path) -> None:
+    """dp 2 x ep 2, every token to ep rank 0's experts, ``ep_receive_factor 1``: the steps
+    go on with finite losses, no all-to-all delivers more than ``T · k`` rows to a rank,
+    every rank computed the same quotas, and the rows count the drops."""
+    from test_train import read_rows, tiny_run_config
+
+    from boostlr.config import resolve
+    from boostlr.train import run as trainer
+
+    overrides = {
+        "model.moe_experts": EXPERTS, "model.moe_top_k": K, "model.moe_ffn_dim": 64,
+        "parallel.dp": 2, "parallel.ep": 2, "parallel.ep_receive_factor": 1.0,
+        "train.steps": 3, "train.eval_every": 100, "train.ckpt_every": 100,
+    }  # fmt: skip
+    run_dir = tmp_path / "run"
+    cfg = tiny_run_config(small_dataset, **overrides)
+    datasets = trainer.open_datasets(cfg)
+    cfg = resolve(cfg, datasets[0])
+    trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
+    got = run_distributed(_train_hot, 2, str(small_dataset), str(run_dir), overrides)
+    cap = got[0]["tokens"] * K  # ceil(1 · T · k)
+    for r in got:
+        assert r["received"] and max(r["received"]) <= cap, (cap, max(r["received"]))
+        assert r["quotas"] == got[0]["quotas"]  # the same decision on every rank
+    assert max(got[0]["received"]) == cap  # rank 0 was filled to the bound, not past it
+    rows = [r for r in read_rows(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    layers = cfg.model.n_layers - cfg.model.moe_dense_layers
+    # Each layer and micro-batch: 2 · T · k copies for rank 0, T · k kept.
+    assert all(r["moe_dropped"] == layers * cfg.train.grad_accum * cap for r in rows), rows
