@@ -29,13 +29,21 @@ MOE = ModelConfig(arch="cola", n_layers=2, rank=8, moe_experts=4, moe_top_k=2, m
         (ModelConfig(), ParallelConfig(dp=2, ep=2), "needs routed experts"),
         (MOE, ParallelConfig(dp=3, ep=2), "parallel.ep 2 must divide parallel.dp 3"),
         (MOE, ParallelConfig(dp=6, ep=3), "must divide model.moe_experts 4"),
-        (dataclasses.replace(MOE, moe_capacity=1.0), ParallelConfig(dp=2, ep=2), "dropless"),
+        (MOE, ParallelConfig(dp=2, ep=2, ep_receive_factor=0.5), "must be 0 \\(no bound\\)"),
+        (MOE, ParallelConfig(dp=2, ep=2, ep_receive_factor=-1), "must be 0 \\(no bound\\)"),
     ],
 )
 def test_ep_is_refused_in_one_line(model: ModelConfig, parallel: ParallelConfig, message: str):
     with pytest.raises(ConfigError, match=message) as err:
         validate_moe(model, parallel)
     assert "\n" not in str(err.value)
+
+
+def test_dropless_ep_under_compile_is_refused_and_a_capacity_is_not() -> None:
+    with pytest.raises(ConfigError, match="train.compile with parallel.ep 2 needs a capacity"):
+        validate_moe(MOE, ParallelConfig(dp=2, ep=2), compile=True)
+    validate_moe(dataclasses.replace(MOE, moe_capacity=1.0), ParallelConfig(dp=2, ep=2), True)
+    validate_moe(MOE, ParallelConfig(dp=2, ep=1), compile=True)  # ep 1: no all-to-all
 
 
 def test_ep_that_divides_is_accepted_and_the_expert_mesh_splits_dp() -> None:
