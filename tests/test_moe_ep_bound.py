@@ -18,6 +18,7 @@ float64, so any difference beyond summation order is a bug.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -380,3 +381,44 @@ def test_hot_expert_trains_within_the_bound(small_dataset: Path, tmp_path: Path)
     layers = cfg.model.n_layers - cfg.model.moe_dense_layers
     # Each layer and micro-batch: 2 · T · k copies for rank 0, T · k kept.
     assert all(r["moe_dropped"] == layers * cfg.train.grad_accum * cap for r in rows), rows
+
+
+# ------------------------------------------------------------------ boostlr plan
+
+
+PLAN_1B = [
+    "plan", "--hardware", "h200", "--model.preset", "1B", "--model.moe_experts", "16",
+    "--model.moe_top_k", "2", "--model.moe_ffn_dim", "1024", "--data.seq_len", "2048",
+    "--train.batch_size", "2", "--gpus", "16", "--parallel.dp", "-1", "--parallel.ep", "4",
+    "--json",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "rows_of"),
+    [
+        ([], lambda t: 2 * t * 2),  # the default factor 2: ceil(2 · T · k)
+        (["--parallel.ep_receive_factor", "1.5"], lambda t: math.ceil(1.5 * t * 2)),
+        (["--parallel.ep_receive_factor", "0"], lambda t: 4 * t * 2),  # ep · T · min(k, E/ep)
+        (["--model.moe_capacity", "1.25"], lambda t: 16 * math.ceil(1.25 * t * 2 / 16)),
+    ],
+)
+def test_plan_shows_the_worst_rank_under_the_bound(
+    extra: list[str], rows_of, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from boostlr.cli import main
+
+    assert main([*PLAN_1B, *extra]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for row in data["rows"]:
+        bound, tokens = row["moe"]["receive"], 2 * 2048
+        assert bound["rows"] == rows_of(tokens) and bound["balanced_rows"] == tokens * 2
+        assert bound["extra_bytes"] > 0  # every bound here is above the balanced load
+        assert bound["memory_gb_at_bound"] == pytest.approx(
+            row["memory_gb"] + bound["extra_bytes"] / 1e9
+        )
+        limit = data["hardware"]["memory"] / 1e9
+        assert bound["fits_at_bound"] == (bound["memory_gb_at_bound"] <= limit)
+    assert main([*PLAN_1B[:-1], *extra]) == 0  # the table prints one line per row
+    lines = [x for x in capsys.readouterr().out.splitlines() if "a rank receives at most" in x]
+    assert len(lines) == 3 and all(x.endswith(("fits", "does NOT fit")) for x in lines), lines
