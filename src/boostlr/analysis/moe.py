@@ -4,15 +4,20 @@ An MoE block runs only on the single-device block (``tp = pp = 1``), under data 
 and expert parallelism (``parallel.ep`` ranks carved out of dp). What differs from a dense
 block, and is counted here:
 
-* **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` exchanges the
-  ``[ep, E/ep]`` int64 counts (one all-to-all, forward only), sends each routed copy out
+* **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` all-gathers the
+  ``[ep, E/ep]`` int64 counts (forward only; every rank needs the whole matrix for the
+  receive bound), sends each routed copy out
   (``dispatch``: ``2r`` wide under ``latent``, the d-wide token under ``hidden``) and its
   result back (``combine``: ``r`` or ``d`` wide); the backward runs both in reverse, and a
   checkpointed block's re-forward repeats the forward. The ledger counts each all-to-all's
   whole input, the rank's own chunk included: the dispatch input is the rank's ``T·k``
   copies, the combine input the copies it received. Over an ep group the copies received
   equal the copies sent, so the figures here (``T·k`` received on every rank) are exact for
-  the group's mean whatever the routing, and for each rank under balanced routing.
+  the group's mean whatever the routing, and for each rank under balanced routing. A
+  capacity at ep > 1 moves every slot (``E · capacity`` rows each way) and no counts.
+* **The receive bound.** The memory columns assume balanced routing; :func:`received_rows`
+  is the most a rank's experts may run on (``parallel.ep_receive_factor``, a capacity, or
+  unbounded) and :func:`moe_summary` the worst rank's memory then.
 * **Expert gradients over dp_rep.** At ``ep > 1`` FSDP leaves the routed experts alone:
   each rank keeps its ``E/ep`` experts whole, replicated over the ``dp / ep`` ranks of its
   ``dp_rep`` group, and ``reduce_expert_grads`` all-reduces their fp32 gradients over it

@@ -1,8 +1,10 @@
 """Expert parallelism: the routed experts spread over the ``ep`` group (docs/moe.md).
 
 :func:`shard_experts` keeps each ep rank's ``E / ep`` experts as ``Shard(0)`` DTensors and
-gives every MoE layer :func:`dropless_ep` as its dispatch: each routed copy travels to its
-expert's owner by an all-to-all over ``ep`` and its result comes back by the reverse one.
+gives every MoE layer :func:`dropless_ep` (under ``parallel.ep_receive_factor``'s bound) or,
+with a capacity, :func:`~boostlr.parallel.ep_bound.capacity_ep` as its dispatch: each
+routed copy travels to its expert's owner by an all-to-all over ``ep`` and its result comes
+back by the reverse one.
 """
 
 from __future__ import annotations
