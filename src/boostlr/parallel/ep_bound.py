@@ -114,10 +114,14 @@ def capacity_ep(
 
     The capacity is per source rank and expert, ``ceil(factor · T · k / E)`` for this rank's
     ``T`` tokens: the slots, and so the drops, are exactly those of the single-device path
-    run on this rank's tokens (dp at ep 1). The ``[E, capacity, width]`` buffer is already
-    ``[ep, E/ep, capacity, width]``: one all-to-all of equal, fixed chunks, the local experts
-    run batched on ``[E/ep, ep · capacity, width]``, and the reverse all-to-all brings the
-    results back to their slots. No counts cross and nothing is read to the host.
+    run on this rank's tokens (dp at ep 1). Every rank of the group must route the same
+    ``T`` (the trainer's micro-batches, training and evaluation, all have one shape), so
+    the chunks are equal on every rank without exchanging anything.
+
+    The ``[E, capacity, width]`` buffer is already ``[ep, E/ep, capacity, width]``: one
+    all-to-all of equal, fixed chunks, the local experts run batched on
+    ``[E/ep, ep · capacity, width]``, and the reverse all-to-all brings the results back to
+    their slots. No counts cross and nothing is read to the host.
     """
     tokens, k = idx.shape
     ep, per = comm.size, experts // comm.size
