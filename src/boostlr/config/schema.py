@@ -272,7 +272,9 @@ class TrainConfig:
     loop blocks only for the copy of this rank's shards to host memory."""
     compile: bool = False
     """torch.compile every block (inductor): each collective-free region is one graph, the
-    collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA."""
+    collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA. An
+    MoE model at ``parallel.ep > 1`` needs ``model.moe_capacity > 0`` (fixed shapes; dropless
+    all-to-all sizes change every micro-batch)."""
     profile_steps: str = ""
     """``A:B`` writes a torch.profiler trace of steps A..B into the run directory, one file
     per rank (``trace_rank{r}_steps{A}-{B}.json``); empty is off."""

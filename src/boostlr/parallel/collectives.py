@@ -1,8 +1,8 @@
 """Autograd-aware tensor-parallel collectives, in the shape of Megatron's mappings.
 
 Every tensor-parallel collective in boostlr goes through this module (docs/design.md §3), and
-so does expert parallelism's variable all-to-all (:func:`exchange_counts`, then
-:func:`all_to_all_single`; docs/moe.md):
+so does expert parallelism's variable all-to-all (the counts first, :func:`gather_counts`
+or :func:`exchange_counts`, then :func:`all_to_all_single`; docs/moe.md):
 
 * each primitive is a conjugate pair: whatever the forward does to the activation, the
   backward does the adjoint to its gradient (all-reduce <-> identity, all-gather <->
@@ -466,7 +466,8 @@ def all_to_all_single(
     """Rows ``send[i]`` of ``x [rows, ...]`` to rank ``i``, ``recv[i]`` rows from it, in
     rank order; backward sends the gradients back (splits swapped).
 
-    ``send`` and ``recv`` are host lists, ``recv`` from :func:`exchange_counts`.
+    ``send`` and ``recv`` are host lists, read from the exchanged counts
+    (:func:`gather_counts` or :func:`exchange_counts`).
     """
     if len(send) != comm.size or len(recv) != comm.size or sum(send) != x.shape[0]:
         raise ValueError(
