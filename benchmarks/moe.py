@@ -11,8 +11,9 @@ so the machine's load hits them alike:
 
 Per model: the ep bytes of one step from the ledger (group ``ep``, the mean over ranks)
 against the formula — per routed copy 2d (hidden: d out + d back) or 3r (latent: 2r out +
-r back), twice for the backward's reverse all-to-alls, plus the count exchange (``[ep,
-E/ep]`` int64 per MoE layer, forward only) — and their ratio, which must be exactly 1; the
+r back), twice for the backward's reverse all-to-alls, plus the count exchange (the
+``[ep, E/ep]`` int64 counts all-gathered, ``ep · E · 8`` bytes per MoE layer, forward only)
+— and their ratio, which must be exactly 1; the
 median step time (forward, backward, expert-gradient reduction, clipping, AdamW, the
 balance-bias update: the trainer's step); the share of it blocked in ep collectives; the
 peak host memory of the step per rank (the rank's parameters and AdamW state plus the
@@ -83,7 +84,7 @@ def formula_bytes(args: argparse.Namespace, dispatch: str, ep: int) -> int:
     """ep bytes per rank and step: routed copies x width x fwd+bwd, plus the counts."""
     copies = args.batch // ep * args.seq_len * args.top_k
     width = 3 * args.rank if dispatch == "latent" else 2 * args.dim
-    return args.layers * (2 * copies * width * FP32 + args.experts * INT64)
+    return args.layers * (2 * copies * width * FP32 + ep * args.experts * INT64)
 
 
 def _rank(args: argparse.Namespace, ep: int) -> dict[str, dict[str, Any]]:
@@ -207,7 +208,7 @@ def table(args: argparse.Namespace, ep: int, rows: dict[str, dict]) -> list[str]
         )
     latent, hidden = rows["CoLA latent"], rows["CoLA hidden"]
     per_copy = 3 * args.rank / (2 * args.dim)
-    payload = [formula_bytes(args, d, ep) - args.layers * args.experts * INT64 for d in
+    payload = [formula_bytes(args, d, ep) - args.layers * ep * args.experts * INT64 for d in
                ("latent", "hidden")]  # fmt: skip
     exact = all(r["exact"] for r in rows.values())
     out += [

@@ -15,8 +15,9 @@ one-process run trains on the GPU and its quiet steps run under
 ``torch.cuda.set_sync_debug_mode("error")``, so any synchronising call there raises.
 An MoE model at ep 1 syncs nowhere either (grouped experts on device offsets); expert
 parallelism is the one counted exception: its dropless all-to-all reads each MoE layer's
-exchanged counts back once per micro-batch (docs/moe.md), and exactly that is asserted; the
-MoE keys of a step row are recorded and read on log steps only.
+gathered counts back once per micro-batch (docs/moe.md), and exactly that is asserted at
+dp 2 x ep 2; a capacity at dp 2 x ep 2 reads none; the MoE keys of a step row are recorded
+and read on log steps only.
 """
 
 from __future__ import annotations
@@ -224,6 +225,24 @@ def test_moe_ep2_steps_sync_once_per_dropless_layer_and_micro_batch(
     for conversions, copies in per_rank:
         for step in range(2, STEPS):
             assert conversions.get(step) == per_step, (step, conversions.get(step))
+        assert_batches_take_the_planned_way(copies)
+
+
+def test_moe_ep2_capacity_steps_do_not_sync(small_dataset: Path, tmp_path: Path) -> None:
+    """A capacity at dp 2 x ep 2 (real gloo ranks): the all-to-alls move fixed
+    ``[ep, E/ep, capacity, width]`` buffers, so no counts are read back: quiet steps make no
+    conversion at all (dropless ep makes one per MoE layer and micro-batch, above)."""
+    moe = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 64}
+    layout = {**moe, "model.moe_capacity": 1.0, "parallel.dp": 2, "parallel.ep": 2}
+    layout["train.grad_accum"] = 2
+    run_dir = tmp_path / "run"
+    cfg = _config(small_dataset, **layout)
+    datasets = trainer.open_datasets(cfg)
+    cfg = resolve(cfg, datasets[0])
+    trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
+    per_rank = run_distributed(_rank_counts, 2, str(small_dataset), str(run_dir), layout)
+    for conversions, copies in per_rank:
+        assert_quiet(conversions)
         assert_batches_take_the_planned_way(copies)
 
 

@@ -84,6 +84,11 @@ MOE_TP_LAYOUTS = {
     4: [("moe dp2tp2", 1, 2, 2), ("moe pp2tp2", 2, 1, 2)],
 }
 
+# A capacity at ep > 1 (fixed-shape all-to-alls): capacity per rank's micro-batch, so its
+# one device runs each dp rank's share of the batch as its own forward (what dp at ep 1 runs).
+MOE_CAPACITY_LAYOUTS = {2: [("moe dp2ep2 capacity", 1, 2, 2)]}
+CAPACITY = 1.0
+
 
 # LaX MoE under a pipeline (latent dispatch): (label, pp, dp, tp, ep, extra). A stage boundary
 # carries the latents the next block reads: an MoE block's B_d takes no crossing, so no
@@ -107,6 +112,9 @@ def moe_cases(world: int) -> list[tuple[str, object]]:
     for (name, pp, dp, tp), dtype in itertools.product(MOE_TP_LAYOUTS[world], DTYPES):
         keys = {**MOE, "model.moe_shared": 1, "train.dtype": dtype}
         cases.append((f"{name} cola btp {dtype}", layout_config("cola", "btp", pp, dp, tp, **keys)))
+    for name, pp, dp, ep in MOE_CAPACITY_LAYOUTS.get(world, []):
+        keys = {**MOE, "parallel.ep": ep, "model.moe_capacity": CAPACITY}
+        cases.append((f"{name} cola float32", layout_config("cola", "auto", pp, dp, 1, **keys)))
     return cases
 
 
@@ -120,13 +128,24 @@ def matrix_cases(world: int) -> list[tuple[str, object]]:
     return cases
 
 
-def _exact(ref: torch.nn.Module, inputs, targets) -> tuple[float, dict[str, torch.Tensor]]:
+def _exact(
+    ref: torch.nn.Module, inputs, targets, shares: int = 1
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of a float64 copy of the single-device model."""
     exact = copy.deepcopy(ref).double()
     exact.zero_grad(set_to_none=True)
-    loss = exact(inputs, targets)
+    loss = _one_device_loss(exact, inputs, targets, shares)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in exact.named_parameters()}
+
+
+def _one_device_loss(ref: torch.nn.Module, inputs, targets, shares: int) -> torch.Tensor:
+    """The mean loss of the batch, as ``shares`` forwards of equal row blocks (one per dp
+    rank, for a capacity, which drops per forward) or one."""
+    rows = inputs.shape[0] // shares
+    losses = [ref(inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows])
+              for i in range(shares)]  # fmt: skip
+    return sum(losses) / shares
 
 
 def follow(cfg, steps: int) -> dict:
@@ -140,6 +159,7 @@ def follow(cfg, steps: int) -> dict:
     b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
     mine = slice(dp_rank * b, (dp_rank + 1) * b)
     inputs, targets = global_batch(cfg)  # one batch throughout: the loss must fall
+    shares = cfg.parallel.dp if cfg.model.moe_capacity else 1
     report: dict = {"steps": []}
     for step in range(steps):
         if step:  # before the first step both hold the seeded init (layout-free by design)
@@ -149,10 +169,10 @@ def follow(cfg, steps: int) -> dict:
                     p.copy_(weights[name])
         ref.zero_grad()
         with autocast:
-            ref_loss = ref(inputs, targets)
+            ref_loss = _one_device_loss(ref, inputs, targets, shares)
         ref_loss.backward()
         ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_params.values()))
-        loss64, exact = _exact(ref, inputs, targets)
+        loss64, exact = _exact(ref, inputs, targets, shares)
 
         opt.zero_grad()
         model.comms.ledger.reset()
@@ -260,7 +280,8 @@ def run_and_check(cases: list[tuple[str, object]], world: int) -> None:
 MOE_REFUSED = [
     ({"parallel.dp": 6, "parallel.ep": 3}, "must divide model.moe_experts 4"),
     ({"parallel.dp": 3, "parallel.ep": 2}, "parallel.ep 2 must divide parallel.dp 3"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_capacity": 1.5}, "dropless dispatch only"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "train.compile": "true"}, "needs a capacity"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.ep_receive_factor": 0.5}, "must be 0 (no"),
     ({"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2}, "not supported with parallel.tp"),
     ({"parallel.tp": 2, "parallel.tp_strategy": "vanilla"}, "runs under tp strategy btp only"),
     ({"parallel.tp": 2, "model.moe_dispatch": "hidden"}, "moe_dispatch hidden runs on the"),

@@ -389,8 +389,21 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             for g in gemms
         ],
         flops_per_rank=steps * mb * slowest.flops,
-        moe=moe_summary(m, p, comm_metrics(cfg)["comm_ep_bytes"]) if is_moe(m) else None,
+        moe=_moe_summary(cfg, hw, sum(worst.values())) if is_moe(m) else None,
     )
+
+
+def _moe_summary(cfg: RunConfig, hw: HardwareProfile, memory: float) -> dict[str, object]:
+    """:func:`moe_summary` of a planning config: its ep bytes and its receive bound over the
+    MoE layers whose activations are alive at pipeline rank 0's peak."""
+    p, m = cfg.parallel, cfg.model
+    held = 1
+    if p.act_ckpt == "none":
+        layers = sum(moe_layer_count(m, ls) for ls, _, _ in stage_modules(p, m.n_layers, 0))
+        held = layers * in_flight(p, 0)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    ep_bytes = comm_metrics(cfg)["comm_ep_bytes"]
+    return moe_summary(m, p, ep_bytes, tokens, act_size(cfg), held, memory, hw.memory)
 
 
 def moe_comm_times(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> dict[str, float]:

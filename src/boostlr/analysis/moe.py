@@ -7,15 +7,20 @@ block). What the facts of an MoE model are (its blocks, what a routed copy carri
 expert parameters) is :mod:`boostlr.specs.moe`'s; what differs from a dense block, and is
 counted here:
 
-* **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` exchanges the
-  ``[ep, E/ep]`` int64 counts (one all-to-all, forward only), sends each routed copy out
+* **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` all-gathers the
+  ``[ep, E/ep]`` int64 counts (forward only; every rank needs the whole matrix for the
+  receive bound), sends each routed copy out
   (``dispatch``: ``2r`` wide under ``latent``, the d-wide token under ``hidden``) and its
   result back (``combine``: ``r`` or ``d`` wide); the backward runs both in reverse, and a
   checkpointed block's re-forward repeats the forward. The ledger counts each all-to-all's
   whole input, the rank's own chunk included: the dispatch input is the rank's ``T·k``
   copies, the combine input the copies it received. Over an ep group the copies received
   equal the copies sent, so the figures here (``T·k`` received on every rank) are exact for
-  the group's mean whatever the routing, and for each rank under balanced routing.
+  the group's mean whatever the routing, and for each rank under balanced routing. A
+  capacity at ep > 1 moves every slot (``E · capacity`` rows each way) and no counts.
+* **The receive bound.** The memory columns assume balanced routing; :func:`received_rows`
+  is the most a rank's experts may run on (``parallel.ep_receive_factor``, a capacity, or
+  unbounded) and :func:`moe_summary` the worst rank's memory then.
 * **Expert gradients over dp_rep.** At ``ep > 1`` FSDP leaves the routed experts alone:
   each rank keeps its ``E/ep`` experts whole, replicated over the ``dp / ep`` ranks of its
   ``dp_rep`` group, and ``reduce_expert_grads`` all-reduces their fp32 gradients over it
@@ -25,6 +30,8 @@ counted here:
 """
 
 from __future__ import annotations
+
+import math
 
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.config.validate_moe import dispatch_of, moe_dispatch_of
@@ -52,28 +59,41 @@ def elements_per_copy(m: ModelConfig) -> int:
     return w_d + w_c
 
 
-def ep_layer_bytes(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
+def capacity_rows(m: ModelConfig, tokens: int) -> int:
+    """Slots per (source rank, expert) under a capacity: ``ceil(c · T · k / E)``
+    (:func:`boostlr.models.moe_dispatch.capacity_of`, without importing torch)."""
+    return max(1, math.ceil(m.moe_capacity * tokens * m.moe_top_k / m.moe_experts))
+
+
+def ep_layer_bytes(m: ModelConfig, tokens: int, act: int, ep: int = 1) -> tuple[int, int]:
     """(forward, backward) ep bytes of one MoE layer for a micro-batch of ``tokens`` tokens
-    on one rank: the count exchange, then the dispatch and combine all-to-alls (whole inputs;
-    the combine's and the backward dispatch's are the copies received: ``T·k`` on the
-    group's mean)."""
+    on one rank.
+
+    Dropless: the counts all-gathered (``[ep, ep, E/ep]`` int64, the output as the ledger
+    counts an all-gather), then the dispatch and combine all-to-alls (whole inputs; the
+    combine's and the backward dispatch's are the copies received: ``T·k`` on the group's
+    mean). A capacity: no counts, and both all-to-alls move every slot, ``E · capacity``
+    rows, whatever the routing."""
     copies = tokens * m.moe_top_k
     w_d, e_d, w_c, e_c = routed_widths(m, act)
+    if m.moe_capacity:
+        payload = m.moe_experts * capacity_rows(m, tokens) * (w_d * e_d + w_c * e_c)
+        return payload, payload
     payload = copies * (w_d * e_d + w_c * e_c)
-    return payload + m.moe_experts * COUNT_BYTES, payload
+    return payload + ep * m.moe_experts * COUNT_BYTES, payload
 
 
-def ep_layer_calls() -> tuple[int, int]:
-    """(forward, backward) all-to-alls of one MoE layer and micro-batch: counts, dispatch and
-    combine; their two reverses."""
-    return 3, 2
+def ep_layer_calls(m: ModelConfig) -> tuple[int, int]:
+    """(forward, backward) collectives of one MoE layer and micro-batch: the count
+    all-gather (dropless only), dispatch and combine; their two reverses."""
+    return (2 if m.moe_capacity else 3), 2
 
 
 def ep_micro_bytes(m: ModelConfig, p: ParallelConfig, tokens: int, act: int) -> int:
     """One rank's ep bytes for one micro-batch (forward, backward, re-forward)."""
     if p.ep <= 1:
         return 0
-    fwd, bwd = ep_layer_bytes(m, tokens, act)
+    fwd, bwd = ep_layer_bytes(m, tokens, act, p.ep)
     again = fwd if p.act_ckpt == "block" else 0
     return moe_layer_count(m, range(m.n_layers)) * (fwd + bwd + again)
 
@@ -81,7 +101,7 @@ def ep_micro_bytes(m: ModelConfig, p: ParallelConfig, tokens: int, act: int) -> 
 def ep_micro_calls(m: ModelConfig, p: ParallelConfig) -> int:
     if p.ep <= 1:
         return 0
-    fwd, bwd = ep_layer_calls()
+    fwd, bwd = ep_layer_calls(m)
     again = fwd if p.act_ckpt == "block" else 0
     return moe_layer_count(m, range(m.n_layers)) * (fwd + bwd + again)
 
@@ -213,8 +233,55 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
     return float(out)
 
 
-def moe_summary(m: ModelConfig, p: ParallelConfig, ep_bytes: int) -> dict[str, object]:
-    """An MoE prediction's routing figures (``boostlr plan``'s ``moe`` field and columns)."""
+def received_rows(m: ModelConfig, p: ParallelConfig, tokens: int) -> int:
+    """The most routed copies one rank's experts run on, per MoE layer and micro-batch of
+    ``tokens`` tokens per rank (docs/moe.md, "A bound on what a rank receives").
+
+    ep 1: its own ``T·k``. A capacity: every slot, ``E · ceil(c·T·k/E)`` (about ``c·T·k``).
+    Dropless under ``parallel.ep_receive_factor f``: ``ceil(f·T·k)``; unbounded (``f = 0``):
+    every rank's copies for its experts, ``ep · T · min(k, E/ep)``."""
+    k = m.moe_top_k
+    if p.ep <= 1:
+        return tokens * k
+    if m.moe_capacity:
+        return m.moe_experts * capacity_rows(m, tokens)
+    if p.ep_receive_factor:
+        return math.ceil(p.ep_receive_factor * tokens * k)
+    return p.ep * tokens * min(k, m.moe_experts // p.ep)
+
+
+def received_copy_bytes(m: ModelConfig, act: int) -> int:
+    """Bytes autograd keeps per copy a rank's experts run on (the receiving rank's share of
+    :func:`moe_mlp_activation`'s per-copy terms): the copy's input at its expert and the
+    expert's own tensors (its products over ``f_e``, and σ's or the low-rank factors')."""
+    r, f, d = m.rank or 0, m.moe_ffn_dim or 0, m.dim
+    prod = 4 if m.mlp_form == "swiglu" else 3
+    sigma = 1 if arch_spec(m.arch).latent_activation else 0
+    if latent_dispatch(m):
+        return 2 * r * act + (f * prod + r * sigma) * act
+    lat = 3 * r * (1 + sigma) if m.lowrank else 0
+    return d * FP32 + (f * prod + lat) * act
+
+
+def moe_summary(
+    m: ModelConfig,
+    p: ParallelConfig,
+    ep_bytes: int,
+    tokens: int = 0,
+    act: int = FP32,
+    held_layers: int = 0,
+    memory: float = 0.0,
+    device_memory: float = 0.0,
+) -> dict[str, object]:
+    """An MoE prediction's routing figures (``boostlr plan``'s ``moe`` field and columns).
+
+    ``receive``: what one rank's experts may run on per MoE layer and micro-batch (``rows``,
+    against ``balanced_rows``, the ``T·k`` the memory columns assume), and the worst rank's
+    memory at that bound: ``memory`` (the plan's, balanced) plus the extra rows' tensors
+    over the ``held_layers`` MoE layers whose activations are alive at the peak.
+    """
+    rows, balanced = received_rows(m, p, tokens), tokens * m.moe_top_k
+    extra = max(0, rows - balanced) * received_copy_bytes(m, act) * held_layers
     return {
         "experts": m.moe_experts,
         "top_k": m.moe_top_k,
@@ -226,4 +293,12 @@ def moe_summary(m: ModelConfig, p: ParallelConfig, ep_bytes: int) -> dict[str, o
         "ep_bytes_per_step": ep_bytes,
         "routing": "balanced (a rank's ep bytes and expert activations assume T·k/E copies "
         "per expert; exact over an ep group whatever the routing)",
+        "receive": {
+            "factor": p.ep_receive_factor if p.ep > 1 and not m.moe_capacity else None,
+            "rows": rows,
+            "balanced_rows": balanced,
+            "extra_bytes": extra,
+            "memory_gb_at_bound": (memory + extra) / 1e9,
+            "fits_at_bound": memory + extra <= device_memory,
+        },
     }

@@ -122,9 +122,9 @@ def moe_variant(cfg: RunConfig, arch: str, dispatch: str) -> RunConfig:
 
 def expert_parallel_degrees(cfg: RunConfig, dp: int) -> list[int]:
     """The ``parallel.ep`` a search tries at ``dp``: divisors of dp that divide the routed
-    experts (1 alone for a dense model, or a capacity-bound MoE: ep runs dropless only)."""
+    experts (1 alone for a dense model)."""
     m = cfg.model
-    if not m.moe_experts or m.moe_capacity:
+    if not m.moe_experts:
         return [1]
     return [e for e in _divisors(dp) if m.moe_experts % e == 0]
 

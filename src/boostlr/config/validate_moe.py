@@ -33,13 +33,13 @@ def moe_dispatch_of(m: ModelConfig) -> str:
     return dispatch_of(m).name
 
 
-def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
+def validate_moe(m: ModelConfig, p: ParallelConfig | None = None, compile: bool = False) -> None:
     """Reject impossible MoE settings; ``p`` adds the layout checks (unset when only a model
-    is loaded: checkpoints, exports)."""
+    is loaded: checkpoints, exports), ``compile`` is ``train.compile``."""
     if m.moe_experts < 0:
         raise ConfigError(f"model.moe_experts must be >= 0 (0 = dense MLP), got {m.moe_experts}")
     if p is not None:
-        _validate_ep(m, p)
+        _validate_ep(m, p, compile)
     if m.moe_experts == 0:
         _no_moe_keys(m)
         return
@@ -126,11 +126,18 @@ def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: DispatchSpec) -> N
         )
 
 
-def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
+def _validate_ep(m: ModelConfig, p: ParallelConfig, compile: bool) -> None:
     """``parallel.ep``: a divisor of dp (ep ranks are carved out of it) and of the routed
-    experts (each ep rank holds ``E / ep`` of them)."""
+    experts (each ep rank holds ``E / ep`` of them); its receive bound; under
+    ``train.compile`` a capacity (fixed shapes), since dropless sizes are data-dependent."""
     if p.ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1 (1 = no expert parallelism), got {p.ep}")
+    factor = p.ep_receive_factor
+    if not (factor == 0 or factor >= 1):
+        raise ConfigError(
+            f"parallel.ep_receive_factor must be 0 (no bound) or >= 1 (the balanced load), got "
+            f"{factor}: below 1 even balanced routing drops (use --model.moe_capacity)"
+        )
     if p.ep == 1:
         return
     if m.moe_experts == 0:
@@ -148,10 +155,11 @@ def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
             f"parallel.ep {p.ep} must divide model.moe_experts {m.moe_experts}: each ep rank "
             "holds the same number of experts"
         )
-    if m.moe_capacity:
+    if compile and not m.moe_capacity:
         raise ConfigError(
-            f"parallel.ep {p.ep} runs the dropless dispatch only: drop --model.moe_capacity "
-            f"({m.moe_capacity})"
+            f"train.compile with parallel.ep {p.ep} needs a capacity: dropless all-to-all "
+            "sizes change every micro-batch (a recompile each time): set --model.moe_capacity "
+            "(e.g. 1.25) or --train.compile false"
         )
 
 

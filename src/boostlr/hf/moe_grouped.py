@@ -181,6 +181,16 @@ def capacity_of(tokens: int, k: int, experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * k / experts))
 
 
+def queue_positions(expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each copy's place in its expert's queue, the copies taken in their (priority) order;
+    ``counts`` is :func:`expert_counts` of ``expert``. One stable sort by expert, not a
+    ``[copies, E]`` one-hot cumulative sum: the same places."""
+    order = torch.argsort(expert, stable=True)
+    start = counts.cumsum(0) - counts
+    place = torch.arange(expert.numel(), device=expert.device) - start[expert[order]]
+    return torch.empty_like(place).scatter_(0, order, place)
+
+
 def with_capacity(
     payload: torch.Tensor,
     token: torch.Tensor,
@@ -198,11 +208,7 @@ def with_capacity(
     comes from one stable sort of the copies by expert (no ``[copies, E]`` one-hot).
     ``dropped`` is a 0-d int64 device tensor (no sync).
     """
-    order = torch.argsort(expert, stable=True)
-    counts = expert_counts(expert, experts)
-    start = counts.cumsum(0) - counts
-    rank = torch.arange(expert.numel(), device=expert.device) - start[expert[order]]
-    position = torch.empty_like(rank).scatter_(0, order, rank)
+    position = queue_positions(expert, expert_counts(expert, experts))
     kept = position < capacity
     # Dropped copies go to one spare row past the experts' rows: no expert reads it, and it
     # reads back as zeros, so a dropped copy adds nothing (and its weight gets no gradient).

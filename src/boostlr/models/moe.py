@@ -120,7 +120,8 @@ class MoEMLP(nn.Module):
     """The MoE MLP: ``forward(x, z_prev) -> (y, latents)``, as the dense MLP's.
 
     After a forward, ``aux_loss`` holds the balance loss (coefficient applied, detached; 0-d,
-    balance ``aux`` only) and ``dropped`` the copies over capacity (0-d int64; capacity only),
+    balance ``aux`` only) and ``dropped`` the copies over capacity, or over expert
+    parallelism's receive bound (0-d int64; ``None`` when dropless at ep 1),
     both device tensors for the metrics: reading them is the caller's host sync.
     ``aux_scale`` is the factor the trainer applies to the LM loss before its backward
     (1 / micro-batches per step); the balance loss's gradient is scaled by it.
@@ -225,7 +226,7 @@ class MoEMLP(nn.Module):
         """Add one forward's routed copies per expert, dropped copies and balance loss."""
         assert self.stats is not None
         self.stats[: self.experts_n] += expert_counts(route.expert, self.experts_n)
-        if self.capacity and self.dropped is not None:
+        if self.dropped is not None:
             self.stats[-2] += self.dropped
         if self.aux_coef and self.aux_loss is not None:
             self.stats[-1] += self.aux_loss
@@ -238,7 +239,8 @@ class MoEMLP(nn.Module):
         runtime that wraps their weights: BTP sums their gradients over TP)."""
         fn = self.experts if fn is None else fn
         if self.dispatch is not None:
-            return self.dispatch(payload, route, self.experts_n, fn)
+            out, self.dropped = self.dispatch(payload, route, self.experts_n, fn)
+            return out
         if not self.capacity:
             return dropless(payload, route, self.experts_n, fn)
         k = route.copies // max(1, route.tokens)  # copies per token (top-k: k)

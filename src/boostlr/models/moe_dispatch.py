@@ -43,8 +43,9 @@ __all__ = [
     "with_capacity",
 ]
 
-#: ``(payload, routing, experts, fn) -> combined``, as :func:`dropless`.
-Dispatch = Callable[[torch.Tensor, Routing, int, ExpertFn], torch.Tensor]
+#: ``(payload, routing, experts, fn) -> (combined, dropped)``: :func:`dropless`'s
+#: arguments, and the copies it dropped (0-d int64 on the device).
+Dispatch = Callable[[torch.Tensor, Routing, int, ExpertFn], tuple[torch.Tensor, torch.Tensor]]
 
 
 def host_counts(counts: torch.Tensor) -> list[int]:

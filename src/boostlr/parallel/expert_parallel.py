@@ -1,8 +1,10 @@
 """Expert parallelism: the routed experts spread over the ``ep`` group (docs/moe.md).
 
 :func:`shard_experts` keeps each ep rank's ``E / ep`` experts as ``Shard(0)`` DTensors and
-gives every MoE layer :func:`dropless_ep` as its dispatch: each routed copy travels to its
-expert's owner by an all-to-all over ``ep`` and its result comes back by the reverse one.
+gives every MoE layer :func:`dropless_ep` (under ``parallel.ep_receive_factor``'s bound) or,
+with a capacity, :func:`~boostlr.parallel.ep_bound.capacity_ep` as its dispatch: each
+routed copy travels to its expert's owner by an all-to-all over ``ep`` and its result comes
+back by the reverse one.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from boostlr.parallel.collectives import (
     GroupComm,
     all_reduce_,
     all_to_all_single,
-    exchange_counts,
+    gather_counts,
 )
+from boostlr.parallel.ep_bound import bounded_order, capacity_ep, receive_cap, receive_quota
 from boostlr.parallel.mesh import MeshComms
 from boostlr.specs.moe import is_routed_expert
 
@@ -34,31 +37,47 @@ def dropless_ep(
     fn: ExpertFn,
     comm: GroupComm,
     tag: str = "moe",
-) -> torch.Tensor:
+    receive_factor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``dropless`` (:mod:`boostlr.models.moe_dispatch`) with expert ``e`` on ep rank
-    ``e // (E / ep)``: the same sum, computed where the experts live.
+    ``e // (E / ep)``: the same sum, computed where the experts live, and the copies
+    dropped (0-d int64; none without a bound).
 
-    The copies, sorted by expert, are already grouped by owner. The ``[ep, E / ep]`` counts
-    go first (a fixed shape), then the payload; what arrives is grouped by source rank, then
-    expert, and the local experts run on it as one grouped call (:func:`run_received`).
-    The results go back by the reverse all-to-all, and weighting and summing happen at the
-    token's own rank, as in ``dropless``. An expert that got nothing has an empty group
-    (its weight gradient is zero).
+    The ``[ep, E / ep]`` counts go first (a fixed-shape all-gather: every rank then knows
+    what every rank sends where), then the payload. With ``receive_factor > 0`` no rank
+    receives more than ``ceil(receive_factor · T · k)`` rows: every rank computes the same
+    quotas from the same gathered counts (:mod:`boostlr.parallel.ep_bound`), so the split
+    sizes agree by construction; the copies past a quota are dropped (the map's later
+    copies first: later choices, then later tokens). The copies, sorted by expert, are
+    already grouped by owner; what arrives is grouped by source rank, then expert, and the
+    local experts run on it as one grouped call (:func:`run_received`). The results go back
+    by the reverse all-to-all, and weighting and summing happen at the token's own rank, as
+    in ``dropless``. An expert that got nothing has an empty group (its weight gradient is
+    zero).
     """
     ep = comm.size
     per = experts // ep
-    order = torch.argsort(route.expert, stable=True)
-    token = route.token[order]
-    counts = expert_counts(route.expert, experts).view(ep, per)
-    incoming = exchange_counts(counts, comm, tag)  # [source, local expert]
-    both = host_counts(torch.cat([counts.reshape(-1), incoming.reshape(-1)]))
+    counts = expert_counts(route.expert, experts)
+    matrix = gather_counts(counts.view(ep, per), comm, tag)  # [source, destination, expert]
+    cap = receive_cap(matrix, receive_factor) if receive_factor else None
+    quota = receive_quota(matrix, cap)
+    mine = quota[comm.rank]
+    incoming = quota[:, comm.rank]  # [source, local expert], on the device
+    # The one device-to-host copy: what this rank sends, and what it receives.
+    both = host_counts(torch.cat([mine.reshape(-1), incoming.reshape(-1)]))
     sent, got = both[: ep * per], both[ep * per :]
     send = [sum(sent[j * per : (j + 1) * per]) for j in range(ep)]
     recv = [sum(got[j * per : (j + 1) * per]) for j in range(ep)]
+    if cap is None:
+        order = torch.argsort(route.expert, stable=True)
+    else:
+        order = bounded_order(route.expert, counts, mine.reshape(-1))[: sum(send)]
+    token = route.token[order]
     arrived = all_to_all_single(payload[token], send, recv, comm, tag)
     back = run_received(arrived, incoming, fn)
     out = all_to_all_single(back, recv, send, comm, tag)
-    return combine(out, route.weight[order], token, payload.shape[0])
+    combined = combine(out, route.weight[order], token, payload.shape[0])
+    return combined, counts.sum() - mine.sum()
 
 
 def run_received(arrived: torch.Tensor, incoming: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
@@ -91,13 +110,18 @@ def as_expert_dtensor(shard: torch.Tensor, comms: MeshComms, shape: torch.Size) 
     return DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def use_expert_parallel(model: nn.Module, ep: GroupComm) -> None:
-    """Give every MoE layer in ``model`` the all-to-all dispatch over ``ep``."""
+def use_expert_parallel(model: nn.Module, ep: GroupComm, receive_factor: float = 0.0) -> None:
+    """Give every MoE layer in ``model`` the all-to-all dispatch over ``ep``: the capacity
+    one (fixed shapes) under ``model.moe_capacity``, else dropless, bounded by
+    ``receive_factor`` (``parallel.ep_receive_factor``; 0: unbounded)."""
     for layer in moe_layers(model):
-        layer.dispatch = functools.partial(dropless_ep, comm=ep)
+        if layer.capacity:
+            layer.dispatch = functools.partial(capacity_ep, comm=ep, factor=layer.capacity)
+        else:
+            layer.dispatch = functools.partial(dropless_ep, comm=ep, receive_factor=receive_factor)
 
 
-def shard_experts(model: nn.Module, comms: MeshComms) -> None:
+def shard_experts(model: nn.Module, comms: MeshComms, receive_factor: float = 0.0) -> None:
     """Keep this ep rank's ``E / ep`` routed experts of every MoE layer in ``model``, as
     DTensors ``Shard(0)`` on the ``ep`` sub-mesh, and send the layers' copies to them.
 
@@ -114,7 +138,7 @@ def shard_experts(model: nn.Module, comms: MeshComms) -> None:
             path, _, attr = name.rpartition(".")
             owner = layer.experts.get_submodule(path) if path else layer.experts
             setattr(owner, attr, nn.Parameter(value, requires_grad=param.requires_grad))
-    use_expert_parallel(model, ep)
+    use_expert_parallel(model, ep, receive_factor)
 
 
 @torch.no_grad()
