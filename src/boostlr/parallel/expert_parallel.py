@@ -15,12 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from boostlr.models.moe import moe_layers
 from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
-from boostlr.parallel.collectives import (
-    GroupComm,
-    all_reduce_,
-    all_to_all_single,
-    exchange_counts,
-)
+from boostlr.parallel.collectives import GroupComm, all_to_all_single, exchange_counts
 from boostlr.parallel.mesh import MeshComms
 
 
@@ -55,13 +50,27 @@ def dropless_ep(
     recv = [sum(got[j * per : (j + 1) * per]) for j in range(ep)]
     arrived = all_to_all_single(payload[token], send, recv, comm, tag).split(got)
     # arrived[j * per + e]: source j's copies for local expert e.
-    ran = [fn(torch.cat(arrived[e::per]), e) for e in range(per)]
+    ran = each_expert(fn, [torch.cat(arrived[e::per]) for e in range(per)])
     parts = [r.split([got[j * per + e] for j in range(ep)]) for e, r in enumerate(ran)]
     back = torch.cat([parts[e][j] for j in range(ep) for e in range(per)])
     out = all_to_all_single(back, recv, send, comm, tag)
     out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     combined = out.new_zeros(payload.shape[0], out.shape[-1])
     return combined.index_add(0, token, out)
+
+
+def each_expert(fn: ExpertFn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``fn(inputs[e], e)`` for every local expert ``e``.
+
+    Experts sharded over ``dp_rep`` are one FSDP unit
+    (:func:`boostlr.parallel.data_parallel.shard_experts_over_dp`), which gathers its weights
+    and reduce-scatters their gradient once per forward call: the whole loop is that one
+    call (its ``each_expert`` method), not one call per expert.
+    """
+    run = getattr(fn, "each_expert", None)
+    if run is not None:
+        return run(inputs)
+    return [fn(x, e) for e, x in enumerate(inputs)]
 
 
 def is_routed_expert(name: str) -> bool:
@@ -114,18 +123,18 @@ def reduce_expert_grads(model: nn.Module, comms: MeshComms) -> None:
     """Make each expert shard's gradient the dp mean, as FSDP makes the others'.
 
     The all-to-all's backward has already summed the ep group's contributions into the
-    shard's owner; what is left is the sum over the shard's replicas (``dp_rep``: one
-    all-reduce, in the ledger) and the division by dp. Call once per step, after the last
-    backward and before clipping.
+    shard's owner. Over ``dp_rep > 1`` the experts are FSDP units of their own
+    (:func:`boostlr.parallel.data_parallel.shard_experts_over_dp`): their reduce-scatter sums
+    the replicas and divides by dp, and nothing is left here. At ``dp_rep = 1`` (``ep = dp``)
+    the ep group is the whole dp group: only the division by dp is left, no collective.
+    Call once per step, after the last backward and before clipping.
     """
-    if comms.ep.size == 1:
+    if comms.ep.size == 1 or comms.group("dp_rep").size > 1:
         return
-    rep, dp = comms.group("dp_rep"), comms.dp.size
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # a few stacked weights per layer
         if is_routed_expert(name) and param.grad is not None:
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            all_reduce_(grad, rep, "expert_grads")
-            grad.div_(dp)
+            grad.div_(comms.dp.size)
 
 
 def _by_mesh(tensors: list[torch.Tensor]) -> list[list[int]]:
