@@ -3,7 +3,8 @@
 Each layout is built as tests/test_moe_ep_build.py builds it (``ParallelModel`` with
 ``parallel.ep`` set past ``validate``, ``reduce_expert_grads`` called after the backward, as
 the trainer's step will) and runs one optimizer step. Exact, per rank: the dp bytes (FSDP
-without the routed experts at ep > 1), the dp_rep bytes (the expert gradients' all-reduce),
+without the routed experts at ep > 1), the dp_rep bytes (the expert units' FSDP gathers and
+reduce-scatters over dp_rep),
 and each forward dispatch all-to-all (its input is the rank's own ``T·k`` copies). Exact per
 ep group: the whole ep traffic (the combine's input is what a rank received, which depends on
 the routing; over a group it is what the group sent, so the group's sum is fixed). Parameter,
@@ -73,7 +74,7 @@ CASES_2 = [
     _case("svd", 2, 1, **{"model.moe_shared": 1}),  # ep 1: experts in FSDP's units
 ]
 CASES_4 = [
-    _case("cola", 4, 2, **{"model.moe_shared": 1}),  # dp_rep 2: the expert-gradient all-reduce
+    _case("cola", 4, 2, **{"model.moe_shared": 1}),  # dp_rep 2: the expert units' FSDP traffic
     _case("svd", 4, 2, **{"parallel.dp_mode": "ddp", "train.dtype": "bfloat16"}),
     _case("full", 4, 4),
     _case("cola", 4, 4, **{"parallel.act_ckpt": "block", "model.moe_balance": "aux"}),
