@@ -213,6 +213,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             # to the stage's backward end), with full grads; FSDP2's staging buffer on top.
             units = max(2 * params.largest_block, params.largest_module)
             out["gathered"] = FP32 * (2 * (units + params.roots) + params.largest_module)
+            # A routed-expert unit over dp_rep (one layer's E/ep experts), gathered in the
+            # FSDP dtype beside its block (its gradient comes in the backward, as that
+            # layer's activations go).
+            out["gathered"] += a * params.largest_expert_unit
         else:  # parameters stay gathered from forward to backward (a dp-split vocabulary not)
             # in FSDP's param dtype (the compute dtype under bf16).
             # Routed experts held whole (ep = dp) are not gathered; over dp_rep > 1 they are.

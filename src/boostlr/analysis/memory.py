@@ -70,6 +70,8 @@ class RankParams:
     # ... the FSDP units over dp_rep (one per MoE layer: padded local shard elements); empty
     # at dp_rep 1, where nothing gathers them.
     expert_units: tuple[int, ...] = ()
+    # ... the largest of those units gathered: one MoE layer's ``E/ep`` experts.
+    largest_expert_unit: int = 0
 
     @property
     def sharded(self) -> int:
@@ -116,6 +118,7 @@ def _rank_params(
     modules: list[int] = []
     largest = largest_block = roots = own_grad = experts = 0
     expert_units: list[int] = []
+    largest_experts = 0
     rep = p.dp // p.ep if p.ep > 1 else 1  # ranks holding the same ep shard (dp_rep)
     split_vocab = vocab_dp(cfg, p) > 1
     shapes = param_shapes(cfg)
@@ -124,6 +127,7 @@ def _rank_params(
         root = root_local = 0
         units: list[int] = []  # an untied embedding and head are FSDP units of their own
         units_of: dict[int, int] = {}  # MoE layer -> its experts' unit over dp_rep
+        gathered_of: dict[int, int] = {}  # ... and that unit gathered
         for name, shape in shapes:
             layer = _layer_of(name)
             if layer is None:
@@ -143,8 +147,8 @@ def _rank_params(
                     continue
                 shard = -(-rows // rep) * rest  # FSDP pads dim 0 to a multiple of dp_rep
                 units_of[layer] = units_of.get(layer, 0) + shard
+                gathered_of[layer] = gathered_of.get(layer, 0) + rows * rest
                 experts += shard
-                block_local[layer] += rows * rest  # gathered with its block
                 continue
             dims = list(shape)
             dim = shard_dim(name, strategy)
@@ -172,6 +176,7 @@ def _rank_params(
                 blocks[layer], block_local[layer] = blocks[layer] + padded, block_local[layer] + n
         modules += [*blocks.values(), *units, root]
         expert_units += units_of.values()
+        largest_experts = max([largest_experts, *gathered_of.values()])
         largest_block = max([largest_block, *block_local.values()])
         largest, roots = max(largest, root_local, largest_block), roots + root_local
     return RankParams(
@@ -185,6 +190,7 @@ def _rank_params(
         own_grad,
         experts,
         tuple(expert_units),
+        largest_experts,
     )
 
 

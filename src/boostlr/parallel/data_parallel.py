@@ -320,6 +320,19 @@ def shard_experts_over_dp(
     return units
 
 
+def fsdp_units_by_group(
+    parts: list[TensorParallelModel], comms: MeshComms
+) -> list[tuple[list[FSDPModule], GroupComm]]:
+    """Every FSDP unit of ``parts`` with the group it runs on: the routed experts' units
+    (:func:`shard_experts_over_dp`) on ``dp_rep``, every other unit on ``dp``."""
+    units = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
+    experts = {id(layer.experts) for part in parts for layer in moe_layers(part.model)}
+    rest = [m for m in units if id(m) not in experts]
+    over_rep = [m for m in units if id(m) in experts]
+    out = [(rest, comms.dp)] if rest else []
+    return out + ([(over_rep, comms.group("dp_rep"))] if over_rep else [])
+
+
 def _each_expert(experts: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each local expert on its rows, inside one FSDP forward of the unit (``forward``
     itself, not the module call: a call would reshard after each expert)."""
