@@ -190,10 +190,7 @@ DENSE_TERMS_OVER = pytest.mark.xfail(
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=DENSE_TERMS_OVER) if n == "full-hidden-bf16-ep2" else n
-        for n in TRACED
-    ],
+    [pytest.param(n, marks=DENSE_TERMS_OVER) if n == "full-hidden-bf16-ep2" else n for n in TRACED],
 )
 def test_trace_of_an_ep_layout_is_the_plans(name: str) -> None:
     """``plan --trace`` under balanced routing: every group's bytes equal the plan's, the
