@@ -21,10 +21,12 @@ counted here:
 * **The receive bound.** The memory columns assume balanced routing; :func:`received_rows`
   is the most a rank's experts may run on (``parallel.ep_receive_factor``, a capacity, or
   unbounded) and :func:`moe_summary` the worst rank's memory then.
-* **Expert gradients over dp_rep.** At ``ep > 1`` FSDP leaves the routed experts alone:
-  each rank keeps its ``E/ep`` experts whole, replicated over the ``dp / ep`` ranks of its
-  ``dp_rep`` group, and ``reduce_expert_grads`` all-reduces their fp32 gradients over it
-  once per step.
+* **Expert state over dp_rep.** At ``ep > 1`` each ep rank's ``E/ep`` experts are
+  shared by the ``dp / ep`` ranks of its ``dp_rep`` group; there they are one FSDP unit per
+  MoE layer (``parallel/data_parallel.shard_experts_over_dp``): a rank holds 1/dp of the
+  experts' weights, gradients and AdamW state, and the unit's traffic over dp_rep is the
+  blocks' rule over dp (gathers in the FSDP dtype, fp32 reduce-scatters). At dp_rep 1
+  (``ep = dp``) nothing is replicated and nothing crosses dp_rep.
 * **Compute.** Per token the router (``d → E``), ``top_k`` routed and ``moe_shared``
   shared experts, and under ``latent`` the shared outer factors.
 """
@@ -32,7 +34,9 @@ counted here:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+from boostlr.analysis.comm import fsdp_bytes, fsdp_pipeline_bytes
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.config.validate_moe import dispatch_of, moe_dispatch_of
 from boostlr.specs.arch import arch_spec
@@ -111,9 +115,36 @@ def dp_rep(p: ParallelConfig) -> int:
     return p.dp // p.ep if p.ep > 1 else 1
 
 
-def expert_grad_bytes(p: ParallelConfig, expert_elements: int) -> int:
-    """``reduce_expert_grads``' all-reduce over dp_rep, once per step (fp32 gradients)."""
-    return FP32 * expert_elements if p.ep > 1 and dp_rep(p) > 1 else 0
+def expert_grad_bytes(
+    p: ParallelConfig,
+    units: Sequence[int],
+    micro_batches: int,
+    pp_microbatches: int,
+    param_bytes: int = FP32,
+) -> int:
+    """One rank's traffic over dp_rep in one step: the expert units' FSDP gathers (in the
+    gathered dtype, ``param_bytes``) and fp32 gradient reduce-scatters, by the blocks' rule
+    (:func:`boostlr.analysis.comm.fsdp_bytes`; under a pipeline
+    :func:`~boostlr.analysis.comm.fsdp_pipeline_bytes`). ``units``: each MoE layer's padded
+    expert shard (:attr:`boostlr.analysis.memory.RankParams.expert_units`)."""
+    if p.ep <= 1 or dp_rep(p) <= 1:
+        return 0
+    reshard = p.data_parallel_mode == "fsdp"
+    if p.pp > 1:
+        args = (dp_rep(p), micro_batches, reshard, pp_microbatches, param_bytes)
+        return fsdp_pipeline_bytes(list(units), *args)
+    return fsdp_bytes(list(units), dp_rep(p), micro_batches, reshard, param_bytes)
+
+
+def expert_grad_calls(p: ParallelConfig, units: int, micro_batches: int, pp_mb: int) -> int:
+    """The expert units' FSDP collectives in one step (two gathers and a reduce-scatter per
+    (pipeline) micro-batch under ``fsdp``; one gather, one reduction per step under ``ddp``),
+    as the cost model counts the blocks'."""
+    if p.ep <= 1 or dp_rep(p) <= 1:
+        return 0
+    if p.data_parallel_mode == "fsdp":
+        return micro_batches * (pp_mb if p.pp > 1 else 1) * units * 3
+    return micro_batches * units * 2
 
 
 def buffer_bytes(m: ModelConfig, layers: range) -> int:
@@ -168,17 +199,17 @@ def expert_weight_casts(m: ModelConfig, act: int, ep: int, dp: int) -> int:
     Each expert's GEMMs read their weight through ``models.params.local``, which under
     autocast casts that expert's row of the local ``[E/ep, ...]`` stack; its GEMMs keep the
     copy until the backward: one bf16 copy of the stack per layer, wherever the weights are
-    not already bf16 (at ``ep > 1`` FSDP does not gather them). At dp 1 nothing gathers and
-    ``bf16_weights`` already counts that copy; at ``ep = 1`` under FSDP its mixed precision
-    hands them over in bf16: no cast.
+    not already bf16 (at ``ep = dp`` nothing gathers them). At dp 1 nothing gathers and
+    ``bf16_weights`` already counts that copy; at ``ep = 1``, and over ``dp_rep > 1`` (the
+    experts' own FSDP units), FSDP's mixed precision hands them over in bf16: no cast.
     """
-    if act >= FP32 or ep == 1:
+    if act >= FP32 or ep == 1 or dp > ep:
         return 0
     return act * (m.moe_experts // ep) * expert_params(m)
 
 
 def expert_weights_per_layer(m: ModelConfig) -> int:
-    """Stacked routed-expert weights of one MoE layer (one all-reduce each over dp_rep)."""
+    """Stacked routed-expert weights of one MoE layer (one FSDP unit over dp_rep)."""
     return 6 if not latent_dispatch(m) and m.lowrank else 3
 
 

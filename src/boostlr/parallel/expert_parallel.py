@@ -21,7 +21,6 @@ from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
 from boostlr.models.moe_routing import Routing
 from boostlr.parallel.collectives import (
     GroupComm,
-    all_reduce_,
     all_to_all_single,
     gather_counts,
 )
@@ -146,18 +145,18 @@ def reduce_expert_grads(model: nn.Module, comms: MeshComms) -> None:
     """Make each expert shard's gradient the dp mean, as FSDP makes the others'.
 
     The all-to-all's backward has already summed the ep group's contributions into the
-    shard's owner; what is left is the sum over the shard's replicas (``dp_rep``: one
-    all-reduce, in the ledger) and the division by dp. Call once per step, after the last
-    backward and before clipping.
+    shard's owner. Over ``dp_rep > 1`` the experts are FSDP units of their own
+    (:func:`boostlr.parallel.data_parallel.shard_experts_over_dp`): their reduce-scatter sums
+    the replicas and divides by dp, and nothing is left here. At ``dp_rep = 1`` (``ep = dp``)
+    the ep group is the whole dp group: only the division by dp is left, no collective.
+    Call once per step, after the last backward and before clipping.
     """
-    if comms.ep.size == 1:
+    if comms.ep.size == 1 or comms.group("dp_rep").size > 1:
         return
-    rep, dp = comms.group("dp_rep"), comms.dp.size
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # a few stacked weights per layer
         if is_routed_expert(name) and param.grad is not None:
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            all_reduce_(grad, rep, "expert_grads")
-            grad.div_(dp)
+            grad.div_(comms.dp.size)
 
 
 def _by_mesh(tensors: list[torch.Tensor]) -> list[list[int]]:
