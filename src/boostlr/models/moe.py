@@ -240,7 +240,9 @@ class MoEMLP(nn.Module):
             payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
             z["down_proj"] = None
         else:
-            payload = tokens
+            # In the compute dtype (bf16 under bf16): what the experts' GEMMs read anyway, and
+            # half the bytes an all-to-all sends at ep > 1.
+            payload = tokens.to(forward_dtype(tokens))
         out = self.routed(payload, route)
         if hasattr(self, "shared"):
             out = out + self.shared(payload, None).sum(0)
