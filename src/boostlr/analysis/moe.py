@@ -234,13 +234,12 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
     A_u's outputs (σ's inputs; LaX: its crossing too), each copy's ``2r`` input at its
     expert, the expert's products over ``f_e`` and ``A_d``'s output, each copy's ``r``-wide
     result twice (kept by the weighting; the weighted one by the summing ``index_add``) and
-    B_d's input. ``hidden``: each copy's d-wide input (fp32, or the two bf16 casts of it),
-    per linear A's and σ's outputs, the products, the d-wide result per copy twice. Shared
-    experts: the same on every token. Under bf16
-    autocast (``act`` 2) also the router's fp32 input (the norm's output, which the dense
-    block keeps only as its GEMM cast), under ``latent`` a second cast of it (A_g and A_u
-    are two GEMMs, the dense block's grouped one), and the routed experts' weight casts
-    (:func:`expert_weight_casts`).
+    B_d's input. ``hidden``: each copy's d-wide input (in the compute dtype), per linear A's
+    and σ's outputs, the products, the d-wide result per copy twice. Shared experts: the
+    same on every token. Under bf16 autocast (``act`` 2) also the router's input, kept in
+    bf16 (a cast of the norm's fp32 output, which the dense block keeps only as its GEMM
+    cast), under ``latent`` a second cast of it (A_g and A_u are two GEMMs, the dense
+    block's grouped one), and the routed experts' weight casts (:func:`expert_weight_casts`).
     """
     T, k, r, f, d = tokens, m.moe_top_k, m.rank or 0, m.moe_ffn_dim or 0, m.dim
     copies, s = T * k, m.moe_shared
@@ -248,7 +247,7 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
     sigma = 1 if arch_spec(m.arch).latent_activation else 0
     out = 3 * T * m.moe_experts * FP32 + copies * (2 * COUNT_BYTES + 2 * FP32)
     if act < FP32:
-        out += T * d * FP32 + (T * d * act if latent_dispatch(m) else 0)
+        out += T * d * act + (T * d * act if latent_dispatch(m) else 0)
         out += expert_weight_casts(m, act, ep, dp)
     if latent_dispatch(m):
         cross = 2 * T * r * act if arch_spec(m.arch).crossing else 0
@@ -258,9 +257,9 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
         return float(out)
     lat = 3 * r * (1 + sigma) if m.lowrank else 0
     per_row = (f * prod + lat) * act
-    out += copies * (d * FP32 + per_row + 2 * d * act) + s * T * per_row
-    if s and act < FP32:  # the shared experts' bf16 casts of the token (broadcast GEMMs)
-        out += 3 * T * d * act
+    out += copies * (d * act + per_row + 2 * d * act) + s * T * per_row
+    if s and act < FP32:  # the token's bf16 cast, which the shared experts' GEMMs keep
+        out += T * d * act
     return float(out)
 
 

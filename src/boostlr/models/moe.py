@@ -49,7 +49,7 @@ from boostlr.models.moe_dispatch import (
 from boostlr.models.moe_experts import LatentExperts, WholeExperts, latent_sigma
 from boostlr.models.moe_router import Router, TopKRouter
 from boostlr.models.moe_routing import Routing
-from boostlr.models.params import local
+from boostlr.models.params import forward_dtype, local
 from boostlr.specs.arch import arch_spec
 from boostlr.specs.moe import balance_spec, capacity_of, is_moe_layer, is_saved_buffer
 
@@ -177,7 +177,9 @@ class MoEMLP(nn.Module):
             payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
             z["down_proj"] = None
         else:
-            payload = tokens
+            # In the compute dtype (bf16 under bf16): what the experts' GEMMs read anyway, and
+            # half the bytes an all-to-all sends at ep > 1.
+            payload = tokens.to(forward_dtype(tokens))
         out = self.routed(payload, route)
         if hasattr(self, "shared"):
             out = out + self.shared(payload, None).sum(0)

@@ -87,9 +87,10 @@ class DispatchSpec:
         return dim, dim
 
     def copy_bytes(self, act: int) -> tuple[int, int]:
-        """Bytes per element (out, back), ``act`` the compute dtype's: the latent and every
-        expert output are in it; the hidden token leaves in fp32."""
-        return (act, act) if self.shared_outer else (FP32, act)
+        """Bytes per element (out, back), ``act`` the compute dtype's: the latent, the hidden
+        token (cast to the compute dtype before it leaves: the experts' GEMMs would cast it
+        there anyway) and every expert output are in it."""
+        return act, act
 
 
 LATENT = DispatchSpec("latent", shared_outer=True)
