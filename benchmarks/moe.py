@@ -1,6 +1,7 @@
 """MoE under expert parallelism: dense MoE vs CoLA MoE (hidden, latent dispatch) on gloo.
 
-At each ep degree (world = dp = ep, real processes) one run builds the three models through
+At each ep degree (world = dp = ep, or ``--dp``: ep ranks carved out of dp; real processes)
+one run builds the three models through
 the engine's build, at one shape and one global batch, and times them in interleaved rounds
 so the machine's load hits them alike:
 
@@ -11,8 +12,9 @@ so the machine's load hits them alike:
 
 Per model: the ep bytes of one step from the ledger (group ``ep``, the mean over ranks)
 against the formula — per routed copy 2d (hidden: d out + d back) or 3r (latent: 2r out +
-r back), twice for the backward's reverse all-to-alls, plus the count exchange (``[ep,
-E/ep]`` int64 per MoE layer, forward only) — and their ratio, which must be exactly 1; the
+r back), twice for the backward's reverse all-to-alls, plus the count exchange (the
+``[ep, E/ep]`` int64 counts all-gathered, ``ep · E · 8`` bytes per MoE layer, forward only)
+— and their ratio, which must be exactly 1; the
 median step time (forward, backward, expert-gradient reduction, clipping, AdamW, the
 balance-bias update: the trainer's step); the share of it blocked in ep collectives; the
 peak host memory of the step per rank (the rank's parameters and AdamW state plus the
@@ -23,8 +25,14 @@ and over CoLA hidden's (≤ 0.85).
 The per-rank bytes depend on the routing (what a rank receives), their sum over the ranks
 does not (every copy leaves one rank and arrives at one), hence the mean.
 
+``--baseline-src DIR`` runs every layout a second time with boostlr imported from ``DIR``
+(another tree's ``src``, e.g. main's, unpacked with ``git archive``) and prints the two
+trees' state and peak memory side by side: the before/after of a change to what a rank
+holds.
+
     python benchmarks/moe.py              # ep 2 and 4, d 512, r 128: a few minutes on 2 cores
     python benchmarks/moe.py --quick      # tiny shapes, one timed step: a check, not a result
+    python benchmarks/moe.py --ep 2 --dp 4 --baseline-src /tmp/main/src   # before/after
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+from pathlib import Path
 from typing import Any
 
 VARIANTS: list[tuple[str, str, str]] = [  # label, arch, moe_dispatch
@@ -48,8 +57,8 @@ QUICK = dict(dim=64, layers=2, heads=4, experts=4, top_k=2, ffn=32, rank=16)
 QUICK |= dict(batch=4, seq_len=32, vocab=512, rounds=1, steps=1)
 
 
-def variant_config(args: argparse.Namespace, arch: str, dispatch: str, ep: int) -> Any:
-    """The run config of one variant at ``ep`` (world = dp = ep), ep set past ``validate``.
+def variant_config(args: argparse.Namespace, arch: str, dispatch: str, ep: int, dp: int) -> Any:
+    """The run config of one variant at ``dp x ep`` (world = dp), ep set past ``validate``.
 
     ``validate`` refuses ``parallel.ep > 1`` until the trainer runs it, so the config is
     validated at ep 1 and ep is then set on it, as tests/test_moe_ep_build.py does.
@@ -69,8 +78,8 @@ def variant_config(args: argparse.Namespace, arch: str, dispatch: str, ep: int) 
         "model.moe_ffn_dim": args.ffn,
         "model.moe_dispatch": dispatch,
         "data.seq_len": args.seq_len,
-        "train.batch_size": args.batch // ep,
-        "parallel.dp": ep,
+        "train.batch_size": args.batch // dp,
+        "parallel.dp": dp,
         "parallel.ep": ep,
         "parallel.device": "cpu",
     }
@@ -79,32 +88,39 @@ def variant_config(args: argparse.Namespace, arch: str, dispatch: str, ep: int) 
     return run_config(overrides)
 
 
-def formula_bytes(args: argparse.Namespace, dispatch: str, ep: int) -> int:
+def formula_bytes(args: argparse.Namespace, dispatch: str, dp: int, ep: int) -> int:
     """ep bytes per rank and step: routed copies x width x fwd+bwd, plus the counts."""
-    copies = args.batch // ep * args.seq_len * args.top_k
+    copies = args.batch // dp * args.seq_len * args.top_k
     width = 3 * args.rank if dispatch == "latent" else 2 * args.dim
-    return args.layers * (2 * copies * width * FP32 + args.experts * INT64)
+    return args.layers * (2 * copies * width * FP32 + ep * args.experts * INT64)
 
 
-def _rank(args: argparse.Namespace, ep: int) -> dict[str, dict[str, Any]]:
+def _rank(args: argparse.Namespace, ep: int, dp: int, src: str | None) -> dict[str, dict[str, Any]]:
+    import sys
     import time
+
+    if src is not None:  # the baseline tree: before anything imports boostlr
+        sys.path.insert(0, src)
 
     import torch
     import torch.distributed as dist
     from common import Part, interleave, random_batch
 
+    import boostlr
     from boostlr.models.moe import update_expert_biases
     from boostlr.parallel.launch import init_distributed
     from boostlr.train.host_alloc import allocated_bytes_reader
     from boostlr.train.memory import AllocatedPeak, held_tensor_mb
 
-    device = init_distributed(torch.device("cpu"), ep)
+    if src is not None and not boostlr.__file__.startswith(src):
+        raise RuntimeError(f"boostlr came from {boostlr.__file__}, not the baseline {src}")
+    device = init_distributed(torch.device("cpu"), dp)
     rank = dist.get_rank()
     parts = {
-        label: Part.build(variant_config(args, arch, dispatch, ep), device)
+        label: Part.build(variant_config(args, arch, dispatch, ep, dp), device)
         for label, arch, dispatch in VARIANTS
     }
-    b = args.batch // ep
+    b = args.batch // dp
     inputs, targets = random_batch(args.vocab, b, args.seq_len, device, seed=rank)
 
     def step(part: Part) -> None:
@@ -116,6 +132,8 @@ def _rank(args: argparse.Namespace, ep: int) -> dict[str, dict[str, Any]]:
         model.global_mean(loss)
         model.clip_gradients(part.cfg.train.grad_clip)
         optimizer.step()
+        # The balance bias's update as the trainer's step hook makes it; called directly so
+        # a --baseline-src tree without step hooks runs the same step.
         dp = model.comms.dp.group if model.comms.dp.size > 1 else None
         update_expert_biases(model.moe_layers(), group=dp)
 
@@ -160,21 +178,23 @@ def _rank(args: argparse.Namespace, ep: int) -> dict[str, dict[str, Any]]:
     return results
 
 
-def summarize(args: argparse.Namespace, ep: int, ranks: dict[int, dict]) -> dict[str, dict]:
+def summarize(
+    args: argparse.Namespace, dp: int, ep: int, ranks: dict[int, dict]
+) -> dict[str, dict]:
     """Per variant, over the ranks: bytes (mean per rank, each step), times, memory."""
     rows = {}
     for label, _, dispatch in VARIANTS:
         per_rank = [ranks[r][label] for r in sorted(ranks)]
         steps = zip(*(r["bytes"] for r in per_rank), strict=True)
         sums = [sum(step) for step in steps]  # every copy leaves one rank and reaches one
-        formula = formula_bytes(args, dispatch, ep)
+        formula = formula_bytes(args, dispatch, dp, ep)
         times = per_rank[0]["times"]  # between barriers: the same step on every rank
         comm = statistics.mean(sum(r["comm"]) / sum(r["times"]) for r in per_rank)
         rows[label] = {
-            "ledger": [total / ep for total in sums],
-            "exact": all(total == formula * ep for total in sums),
+            "ledger": [total / dp for total in sums],
+            "exact": all(total == formula * dp for total in sums),
             "formula": formula,
-            "ratios": [total / (formula * ep) for total in sums],
+            "ratios": [total / (formula * dp) for total in sums],
             "step_s": statistics.median(times),
             "comm_share": comm,
             "state_mb": max(r["state_mb"] for r in per_rank),
@@ -183,7 +203,9 @@ def summarize(args: argparse.Namespace, ep: int, ranks: dict[int, dict]) -> dict
     return rows
 
 
-def table(args: argparse.Namespace, ep: int, rows: dict[str, dict]) -> list[str]:
+def table(
+    args: argparse.Namespace, ep: int, dp: int, rows: dict[str, dict], tree: str = ""
+) -> list[str]:
     tokens = args.batch * args.seq_len
     header = (
         f"{'variant':<12} {'ep B/step (ledger)':>19} {'formula':>13} {'ratio':>9} "
@@ -191,7 +213,7 @@ def table(args: argparse.Namespace, ep: int, rows: dict[str, dict]) -> list[str]
         f"{'peak MB':>8}"
     )
     out = [
-        f"# moe: ep {ep} (world = dp = ep, gloo), d {args.dim}, {args.layers} layers, "
+        f"# moe{tree}: dp {dp} x ep {ep} (world = dp, gloo), d {args.dim}, {args.layers} layers, "
         f"{args.heads} heads, E {args.experts}, top_k {args.top_k}, f_e {args.ffn}, "
         f"r {args.rank}, vocab {args.vocab}, global batch {args.batch} x {args.seq_len} "
         f"({tokens} tokens/step), fp32, {args.rounds}x{args.steps} timed steps per variant",
@@ -209,16 +231,33 @@ def table(args: argparse.Namespace, ep: int, rows: dict[str, dict]) -> list[str]
         )
     latent, hidden = rows["CoLA latent"], rows["CoLA hidden"]
     per_copy = 3 * args.rank / (2 * args.dim)
-    payload = [formula_bytes(args, d, ep) - args.layers * args.experts * INT64 for d in
+    payload = [formula_bytes(args, d, dp, ep) - args.layers * ep * args.experts * INT64 for d in
                ("latent", "hidden")]  # fmt: skip
     exact = all(r["exact"] for r in rows.values())
     out += [
         f"ledger = formula in every timed step, every variant: {'yes' if exact else 'NO'}",
         f"bytes per routed copy: latent 3r = {3 * args.rank} vs hidden 2d = {2 * args.dim} "
         f"elements ({per_copy:.3f}x); payload bytes latent/hidden {payload[0] / payload[1]:.3f}",
-        goal("CoLA latent / dense MoE step time", latent["step_s"] / dense, 0.7, ep == 4),
+        goal("CoLA latent / dense MoE step time", latent["step_s"] / dense, 0.7, ep == dp == 4),
         goal("CoLA latent / CoLA hidden step time", latent["step_s"] / hidden["step_s"], 0.85),
     ]
+    return out
+
+
+def memory_table(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
+    """The baseline tree's state and worst-rank peak against this tree's, per variant."""
+    header = (
+        f"{'variant':<12} {'state MB before':>15} {'after':>8} {'peak MB before':>14} "
+        f"{'after':>8} {'peak after/before':>17}"
+    )
+    out = ["# memory, worst rank: baseline tree (before) vs this tree (after)", header]
+    out.append("-" * len(header))
+    for label in after:
+        b, a = before[label], after[label]
+        out.append(
+            f"{label:<12} {b['state_mb']:>15.1f} {a['state_mb']:>8.1f} {b['peak_mb']:>14.1f} "
+            f"{a['peak_mb']:>8.1f} {a['peak_mb'] / b['peak_mb']:>17.3f}"
+        )
     return out
 
 
@@ -232,6 +271,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: ep)")
+    parser.add_argument(
+        "--baseline-src", default=None, help="another tree's src: its memory side by side"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a check, seconds")
     for key, value in FULL.items():
         flag = "--" + key.replace("_", "-")
@@ -241,9 +284,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     for ep in args.ep:
-        if args.experts % ep or args.batch % ep:
+        dp = args.dp or ep
+        if args.experts % ep or args.batch % dp or dp % ep:
             parser.error(
-                f"--experts {args.experts} and --batch {args.batch} must divide by ep {ep}"
+                f"--experts {args.experts} must divide by ep {ep}, --batch {args.batch} by "
+                f"dp {dp}, dp by ep"
             )
     return args
 
@@ -258,8 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     env = allocator_env(True, "cpu")  # the trainer's CPU allocator (jemalloc where installed)
     print(machine(), flush=True)
     for ep in args.ep:
-        ranks = launch(ep, _rank, args, ep, env=env)
-        print("\n" + "\n".join(table(args, ep, summarize(args, ep, ranks))), flush=True)
+        dp = args.dp or ep
+        rows = summarize(args, dp, ep, launch(dp, _rank, args, ep, dp, None, env=env))
+        print("\n" + "\n".join(table(args, ep, dp, rows)), flush=True)
+        if args.baseline_src:
+            src = str(Path(args.baseline_src).resolve())
+            before = summarize(args, dp, ep, launch(dp, _rank, args, ep, dp, src, env=env))
+            print("\n" + "\n".join(table(args, ep, dp, before, f" ({src})")), flush=True)
+            print("\n" + "\n".join(memory_table(before, rows)), flush=True)
     print(
         "\nstep: forward, backward, expert-gradient reduction, clipping, AdamW, bias update; "
         "median of the timed steps. ratio: ledger / formula, the step furthest from 1. "

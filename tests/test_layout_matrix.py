@@ -36,6 +36,7 @@ from boostlr.analysis.comm import pp_send_bytes
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
 from boostlr.models.llama import build_model
+from boostlr.models.placement import stage_layers
 from boostlr.parallel.engine import ParallelModel
 from boostlr.train.optim import build_optimizer
 
@@ -83,9 +84,26 @@ MOE_TP_LAYOUTS = {
     4: [("moe dp2tp2", 1, 2, 2), ("moe pp2tp2", 2, 1, 2)],
 }
 
+# A capacity at ep > 1 (fixed-shape all-to-alls): capacity per rank's micro-batch, so its
+# one device runs each dp rank's share of the batch as its own forward (what dp at ep 1 runs).
+MOE_CAPACITY_LAYOUTS = {2: [("moe dp2ep2 capacity", 1, 2, 2)]}
+CAPACITY = 1.0
+
+
+# LaX MoE under a pipeline (latent dispatch): (label, pp, dp, tp, ep, extra). A stage boundary
+# carries the latents the next block reads: an MoE block's B_d takes no crossing, so no
+# ``down_proj`` latent crosses into one; the dense-first row has a boundary into a dense block.
+MOE_LAX_LAYOUTS = {
+    2: [("moe pp2", 2, 1, 1, 1, {}), ("moe pp2 dense3", 2, 1, 1, 1, {"model.moe_dense_layers": 3})],
+    4: [("moe pp2tp2", 2, 1, 2, 1, {}), ("moe pp2dp2ep2", 2, 2, 1, 2, {})],
+}
+
 
 def moe_cases(world: int) -> list[tuple[str, object]]:
     cases = []
+    for (name, pp, dp, tp, ep, extra), dtype in itertools.product(MOE_LAX_LAYOUTS[world], DTYPES):
+        keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
+        cases.append((f"{name} lax btp {dtype}", layout_config("lax", "btp", pp, dp, tp, **keys)))
     for (name, pp, dp, ep), (arch, extra), dtype in itertools.product(
         MOE_LAYOUTS[world], MOE_ARCHS, DTYPES
     ):
@@ -94,6 +112,9 @@ def moe_cases(world: int) -> list[tuple[str, object]]:
     for (name, pp, dp, tp), dtype in itertools.product(MOE_TP_LAYOUTS[world], DTYPES):
         keys = {**MOE, "model.moe_shared": 1, "train.dtype": dtype}
         cases.append((f"{name} cola btp {dtype}", layout_config("cola", "btp", pp, dp, tp, **keys)))
+    for name, pp, dp, ep in MOE_CAPACITY_LAYOUTS.get(world, []):
+        keys = {**MOE, "parallel.ep": ep, "model.moe_capacity": CAPACITY}
+        cases.append((f"{name} cola float32", layout_config("cola", "auto", pp, dp, 1, **keys)))
     return cases
 
 
@@ -107,19 +128,29 @@ def matrix_cases(world: int) -> list[tuple[str, object]]:
     return cases
 
 
-def _exact(ref: torch.nn.Module, inputs, targets) -> tuple[float, dict[str, torch.Tensor]]:
+def _exact(
+    ref: torch.nn.Module, inputs, targets, shares: int = 1
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of a float64 copy of the single-device model."""
     exact = copy.deepcopy(ref).double()
     exact.zero_grad(set_to_none=True)
-    loss = exact(inputs, targets)
+    loss = _one_device_loss(exact, inputs, targets, shares)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in exact.named_parameters()}
+
+
+def _one_device_loss(ref: torch.nn.Module, inputs, targets, shares: int) -> torch.Tensor:
+    """The mean loss of the batch, as ``shares`` forwards of equal row blocks (one per dp
+    rank, for a capacity, which drops per forward) or one."""
+    rows = inputs.shape[0] // shares
+    losses = [ref(inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows])
+              for i in range(shares)]  # fmt: skip
+    return sum(losses) / shares
 
 
 def follow(cfg, steps: int) -> dict:
     """``steps`` clipped AdamW steps of the layout, each against one device (same dtype)."""
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    model.moe_layers()  # as the trainer: the balance loss scaled as the LM loss (if any)
     opt = build_optimizer(model.parameters(), cfg.train, fused=False)
     ref = build_model(cfg.model, seed=cfg.train.seed)
     ref_params = dict(ref.named_parameters())
@@ -128,6 +159,7 @@ def follow(cfg, steps: int) -> dict:
     b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
     mine = slice(dp_rank * b, (dp_rank + 1) * b)
     inputs, targets = global_batch(cfg)  # one batch throughout: the loss must fall
+    shares = cfg.parallel.dp if cfg.model.moe_capacity else 1
     report: dict = {"steps": []}
     for step in range(steps):
         if step:  # before the first step both hold the seeded init (layout-free by design)
@@ -137,10 +169,10 @@ def follow(cfg, steps: int) -> dict:
                     p.copy_(weights[name])
         ref.zero_grad()
         with autocast:
-            ref_loss = ref(inputs, targets)
+            ref_loss = _one_device_loss(ref, inputs, targets, shares)
         ref_loss.backward()
         ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref_params.values()))
-        loss64, exact = _exact(ref, inputs, targets)
+        loss64, exact = _exact(ref, inputs, targets, shares)
 
         opt.zero_grad()
         model.comms.ledger.reset()
@@ -166,6 +198,14 @@ def follow(cfg, steps: int) -> dict:
                 "grad_dtypes": grad_dtypes,
             }
         )
+    if cfg.model.moe_experts and cfg.parallel.pp > 1:  # evaluate runs its own stage sends
+        weights = _gather_full_weights(model)
+        with torch.no_grad():
+            for name, p in ref_params.items():
+                p.copy_(weights[name])
+            with autocast:
+                ref_eval = ref(inputs, targets).item()
+        report["eval"] = (model.evaluate([(inputs[mine], targets[mine])], autocast), ref_eval)
     report["param_dtypes"] = {str(p.dtype) for p in model.parameters()}
     report["pp_rank"] = model.comms.pp.rank
     return report
@@ -197,6 +237,9 @@ def check(label: str, cfg, report: dict) -> None:
             assert abs(s["norm"] - s["ref_norm"]) <= LOSS_TOL * s["ref_norm"], (label, s)
             assert s["layout64"] <= layout_bound(s["single64"]), (label, s)
     assert steps[-1]["loss"] < steps[0]["loss"], (label, [s["loss"] for s in steps])
+    if "eval" in report:
+        got, want = report["eval"]
+        assert abs(got - want) <= (BF16_LOSS_TOL if bf16 else LOSS_TOL) * abs(want), (label, got)
     p, m = cfg.parallel, cfg.model
     if p.pp > 1 and p.virtual_stages == 1:  # what crossed the stage boundary, as declared
         pp_rank = report["pp_rank"]
@@ -209,6 +252,7 @@ def check(label: str, cfg, report: dict) -> None:
             first=pp_rank == 0,
             last=pp_rank == p.pp - 1,
             act_size=2 if bf16 else 4,
+            layers=stage_layers(m.n_layers, p.num_stages, pp_rank),
         )
         assert steps[-1]["pp_bytes"] == expected, (label, steps[-1]["pp_bytes"], expected)
 
@@ -236,7 +280,8 @@ def run_and_check(cases: list[tuple[str, object]], world: int) -> None:
 MOE_REFUSED = [
     ({"parallel.dp": 6, "parallel.ep": 3}, "must divide model.moe_experts 4"),
     ({"parallel.dp": 3, "parallel.ep": 2}, "parallel.ep 2 must divide parallel.dp 3"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "model.moe_capacity": 1.5}, "dropless dispatch only"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "train.compile": "true"}, "needs a capacity"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.ep_receive_factor": 0.5}, "must be 0 (no"),
     ({"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2}, "not supported with parallel.tp"),
     ({"parallel.tp": 2, "parallel.tp_strategy": "vanilla"}, "runs under tp strategy btp only"),
     ({"parallel.tp": 2, "model.moe_dispatch": "hidden"}, "moe_dispatch hidden runs on the"),

@@ -46,8 +46,8 @@ def conv():
 
 def test_moe_formula_is_3r_vs_2d_per_copy(moe) -> None:
     args = argparse.Namespace(batch=8, seq_len=16, top_k=2, rank=16, dim=64, layers=3, experts=4)
-    counts = 3 * 4 * 8  # 3 MoE layers x [ep, E / ep] int64, forward only
     for ep in (2, 4):
+        counts = 3 * ep * 4 * 8  # 3 MoE layers x [ep, ep, E / ep] int64 gathered, forward only
         copies = 8 // ep * 16 * 2
         latent, hidden = (
             moe.formula_bytes(args, "latent", ep),

@@ -16,7 +16,7 @@ from distributed import rank_device, run_distributed
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.config.validate_moe import validate_moe
 from boostlr.errors import ConfigError
-from boostlr.parallel.collectives import all_to_all_single, exchange_counts
+from boostlr.parallel.collectives import all_to_all_single, exchange_counts, gather_counts
 from boostlr.parallel.mesh import build_mesh, expert_mesh_shape, single_process_comms
 
 MOE = ModelConfig(arch="cola", n_layers=2, rank=8, moe_experts=4, moe_top_k=2, moe_ffn_dim=16)
@@ -29,13 +29,21 @@ MOE = ModelConfig(arch="cola", n_layers=2, rank=8, moe_experts=4, moe_top_k=2, m
         (ModelConfig(), ParallelConfig(dp=2, ep=2), "needs routed experts"),
         (MOE, ParallelConfig(dp=3, ep=2), "parallel.ep 2 must divide parallel.dp 3"),
         (MOE, ParallelConfig(dp=6, ep=3), "must divide model.moe_experts 4"),
-        (dataclasses.replace(MOE, moe_capacity=1.0), ParallelConfig(dp=2, ep=2), "dropless"),
+        (MOE, ParallelConfig(dp=2, ep=2, ep_receive_factor=0.5), "must be 0 \\(no bound\\)"),
+        (MOE, ParallelConfig(dp=2, ep=2, ep_receive_factor=-1), "must be 0 \\(no bound\\)"),
     ],
 )
 def test_ep_is_refused_in_one_line(model: ModelConfig, parallel: ParallelConfig, message: str):
     with pytest.raises(ConfigError, match=message) as err:
         validate_moe(model, parallel)
     assert "\n" not in str(err.value)
+
+
+def test_dropless_ep_under_compile_is_refused_and_a_capacity_is_not() -> None:
+    with pytest.raises(ConfigError, match="train.compile with parallel.ep 2 needs a capacity"):
+        validate_moe(MOE, ParallelConfig(dp=2, ep=2), compile=True)
+    validate_moe(dataclasses.replace(MOE, moe_capacity=1.0), ParallelConfig(dp=2, ep=2), True)
+    validate_moe(MOE, ParallelConfig(dp=2, ep=1), compile=True)  # ep 1: no all-to-all
 
 
 def test_ep_that_divides_is_accepted_and_the_expert_mesh_splits_dp() -> None:
@@ -77,6 +85,13 @@ def _all_to_all_checks(rank: int, world: int, ep: int) -> list[str]:
     for j, src in enumerate(members):
         s = splits[src][rank % ep]
         assert got_counts[j].tolist() == [s - s // 2, s // 2]
+    # The whole matrix on every rank (the receive bound's input): row j is member j's counts.
+    matrix = gather_counts(counts.to(device), comm, "t")  # [source, destination, expert]
+    for j, src in enumerate(members):
+        assert matrix[j].tolist() == [[s - s // 2, s // 2] for s in splits[src]]
+    assert torch.equal(matrix[:, rank % ep], got_counts)
+    gathered = comms.ledger.records[-1]
+    assert (gathered.op, gathered.tag, gathered.bytes) == ("all_gather", "t.counts", ep * ep * 16)
     recv = got_counts.sum(1).tolist()
     comms.ledger.reset()
 

@@ -1,7 +1,10 @@
-"""The engine's build at dp 2 x ep 2: each rank draws only its experts' rows (equal to the
-one-device init's rows), FSDP leaves them alone, and one step's loss, every gradient and
-the gradient norm equal one device's within the fp32 noise bound once
-:meth:`ParallelModel.reduce_expert_gradients` has run.
+"""The engine's build at dp 2 x ep 2 and dp 4 x ep 2: each rank draws only its experts' rows
+(equal to the one-device init's rows), and one step's loss, every gradient and the gradient
+norm equal one device's within the fp32 noise bound once
+:meth:`ParallelModel.reduce_expert_gradients` has run. At dp 2 x ep 2 (``dp_rep`` 1) the
+experts stay whole on their ep rank, FSDP leaves them alone; at dp 4 x ep 2 they are FSDP
+units over ``dp_rep`` inside their blocks, so a rank holds 1/dp of the routed experts'
+weights, gradients and AdamW state.
 
 The trainer's whole path (``boostlr train --parallel.ep``) is checked in
 tests/test_moe_ep_train.py; this checks the pieces it is assembled from.
@@ -11,15 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from distributed import run_distributed
 from fp32_noise import float64_grads, layout_bound, relative_error
 from parallel_cases import full_grad, global_batch, layout_config
 from torch.distributed.tensor import DTensor, Shard
 
+from boostlr.config import RunConfig
 from boostlr.models.llama import build_model
 from boostlr.parallel.engine import ParallelModel
-from boostlr.parallel.expert_parallel import is_routed_expert
+from boostlr.specs.moe import is_routed_expert
+from boostlr.train.optim import build_optimizer
 
 cpu = torch.device("cpu")
 MOE = {
@@ -28,22 +34,31 @@ MOE = {
 }  # fmt: skip
 
 
-def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
-    cfg = layout_config(arch, "auto", 1, world, 1, **MOE)
+def _config(arch: str, dp: int, ep: int, mode: str = "fsdp") -> RunConfig:
+    cfg = layout_config(arch, "auto", 1, dp, 1, **MOE, **{"parallel.dp_mode": mode})
     # layout_config takes no parallel.ep: set it on the built config.
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=world))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
+
+
+def _build_checks(rank: int, world: int, arch: str, ep: int, mode: str) -> dict[str, int]:
+    cfg = _config(arch, world, ep, mode)
     model = ParallelModel.build(cfg, cpu)
     ref = build_model(cfg.model, seed=cfg.train.seed)
     init = dict(ref.named_parameters())
-    per = cfg.model.moe_experts // world
+    per = cfg.model.moe_experts // ep
     experts = 0
     for name, p in model.named_parameters():
         if is_routed_expert(name):
             experts += 1
-            assert isinstance(p, DTensor) and p.placements == (Shard(0),), name
-            assert p.device_mesh.mesh_dim_names == ("ep",)
-            rows = init[name].detach()[rank * per : (rank + 1) * per]
-            assert torch.equal(p.to_local(), rows), name
+            assert isinstance(p, DTensor), name
+            if ep == world:  # whole on its ep rank
+                assert p.placements == (Shard(0),), name
+                assert p.device_mesh.mesh_dim_names == ("ep",)
+                rows = init[name].detach()[rank % ep * per : (rank % ep + 1) * per]
+                assert torch.equal(p.to_local(), rows), name
+            else:  # FSDP's dp_rep shard of the ep shard
+                assert p.device_mesh.mesh_dim_names == ("dp_rep", "ep"), name
+            assert torch.equal(p.full_tensor(), init[name].detach()), name
     inputs, targets = global_batch(cfg)
     b = cfg.train.batch_size
     mine = slice(rank * b, (rank + 1) * b)
@@ -66,7 +81,44 @@ def _build_checks(rank: int, world: int, arch: str) -> dict[str, int]:
     return {"experts": experts, "ep_calls": ledger["calls"]}
 
 
-def test_dp2_ep2_build_and_one_step_equal_one_device() -> None:
-    got = run_distributed(_build_checks, 2, "cola", timeout_s=240)
+@pytest.mark.parametrize(("dp", "ep", "mode"), [(2, 2, "fsdp"), (4, 2, "fsdp"), (4, 2, "ddp")])
+def test_build_and_one_step_equal_one_device(dp: int, ep: int, mode: str) -> None:
+    """``ddp``: the expert units stay gathered from forward to backward (ZeRO-2), as blocks."""
+    got = run_distributed(_build_checks, dp, "cola", ep, mode, timeout_s=300)
     # 2 MoE blocks x 3 stacked latent-expert weights; the dispatch went over ep.
     assert all(r["experts"] == 6 and r["ep_calls"] > 0 for r in got)
+
+
+def _expert_state(rank: int, world: int, ep: int) -> dict[str, int]:
+    """Bytes of the routed experts this rank holds after one AdamW step: weights, gradients,
+    AdamW's two moments; and the whole model's routed-expert bytes."""
+    cfg = _config("cola", world, ep)
+    model = ParallelModel.build(cfg, cpu)
+    optimizer = build_optimizer(model.parameters(), cfg.train)
+    inputs, targets = global_batch(cfg)
+    b = cfg.train.batch_size
+    model.forward_backward(inputs[rank * b : (rank + 1) * b], targets[rank * b : (rank + 1) * b])
+    model.reduce_expert_gradients()
+    optimizer.step()
+
+    def held(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    out = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+    for name, p in model.named_parameters():
+        if is_routed_expert(name):
+            out["params"] += held(p)
+            out["grads"] += held(p.grad)
+            out["optimizer"] += sum(held(optimizer.state[p][k]) for k in ("exp_avg", "exp_avg_sq"))
+            out["total"] += p.numel() * p.element_size()
+    return out
+
+
+def test_a_rank_holds_one_dp_th_of_the_expert_state_at_dp4_ep2() -> None:
+    """E 4 over ep 2, each ep shard's 2 experts over dp_rep 2: weights, gradients and both
+    AdamW moments of the routed experts, 1/4 of the whole on every rank."""
+    for got in run_distributed(_expert_state, 4, 2, timeout_s=300):
+        quarter = got["total"] // 4
+        assert got["params"] == got["grads"] == quarter, got
+        assert got["optimizer"] == 2 * quarter, got

@@ -83,7 +83,9 @@ def _ep_checks(rank: int, world: int, ep: int, dispatch: str, shared: int) -> di
     ep_recs = [r for r in comms.ledger.records if r.group == "ep"]
     fwd = [r for r in ep_recs if r.phase == "fwd"]
     counts, dispatched, combined = fwd
-    assert counts.tag == "moe.counts" and counts.bytes == cfg.moe_experts * 8
+    # The counts are all-gathered (every rank needs the whole matrix for the receive bound).
+    assert counts.tag == "moe.counts" and counts.op == "all_gather"
+    assert counts.bytes == ep * cfg.moe_experts * 8
     width = 2 * cfg.rank if dispatch == "latent" else cfg.dim
     out_width = cfg.rank if dispatch == "latent" else cfg.dim
     copies = TOKENS * cfg.moe_top_k

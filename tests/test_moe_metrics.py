@@ -17,9 +17,9 @@ from test_train import read_rows, tiny_run_config
 
 from boostlr.cli import main
 from boostlr.models.moe import moe_layers
-from boostlr.models.moe_dispatch import capacity_of
 from boostlr.parallel.engine import ParallelModel
 from boostlr.rundir.checkpoint import load_model_state, open_checkpoint
+from boostlr.specs.moe import capacity_of
 from boostlr.train import run as trainer
 from boostlr.train.sinks import scalars
 
@@ -34,21 +34,26 @@ def _one_step(rank: int, world: int, extra: dict) -> dict:
         "cola", "auto", 1, world, 1, **MOE_KEYS, **extra, **{"train.grad_accum": ACCUM}
     )
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    layers = model.moe_layers()
+    layers = [layer for part in model.stages for layer in moe_layers(part.model)]
     routed: dict[int, list] = {layer.layer_index: [] for layer in layers}
     for layer in layers:
         layer.router.register_forward_hook(
             lambda _m, _i, out, i=layer.layer_index: routed[i].append(
-                (out.idx.clone(), out.scores.detach().clone())
+                (_choices(out), out.scores.detach().clone())
             )
         )
-        layer.start_stats()
+    model.begin_step(logs=True)
     b = cfg.train.batch_size
     for micro in range(ACCUM):
         inputs, targets = global_batch(cfg, step=micro)
         mine = slice(model.comms.dp.rank * b, (model.comms.dp.rank + 1) * b)
         model.forward_backward(inputs[mine], targets[mine])
-    return {"metrics": model.moe_metrics(layers), "routed": routed}
+    return {"metrics": model.log_metrics(), "routed": routed}
+
+
+def _choices(route) -> torch.Tensor:
+    """The top-k router's map as ``[tokens, k]`` expert indices (its copies are choice-major)."""
+    return route.expert.view(-1, route.tokens).t().clone()
 
 
 def _hand_count(ranks: list[dict], capacity: float, aux_coef: float) -> dict:
@@ -136,15 +141,16 @@ def test_dense_rows_have_no_moe_keys(small_dataset: Path, tmp_path: Path) -> Non
     steps = [r for r in read_rows(run) if "loss" in r]
     assert len(steps) == 2 and not any(k.startswith("moe_") for r in steps for k in r)
     model = ParallelModel.build(layout_config("cola", "auto", 1, 1, 1), torch.device("cpu"))
-    assert moe_layers(model.stages[0].model) == [] and model.moe_metrics([]) == {}
+    assert moe_layers(model.stages[0].model) == [] and model.hooks == []
+    model.begin_step(logs=True)
+    assert model.log_metrics() == {}
 
 
 def test_a_step_without_forwards_logs_no_moe_keys() -> None:
     """Recording started but no forward ran (nothing to count): no key, rather than a 0/0."""
     cfg = layout_config("cola", "auto", 1, 1, 1, **MOE_KEYS)
     model = ParallelModel.build(cfg, torch.device("cpu"))
-    layers = model.moe_layers()
-    for layer in layers:
-        layer.start_stats()
-    assert model.moe_metrics(layers) == {}
+    layers = moe_layers(model.stages[0].model)
+    model.begin_step(logs=True)
+    assert model.log_metrics() == {}
     assert all(layer.take_stats() is None for layer in layers)  # recording stopped

@@ -31,8 +31,16 @@ from boostlr.models.moe import (
     moe_layers,
     update_expert_biases,
 )
+from boostlr.models.moe_routing import top_k_routing
+from boostlr.specs.moe import capacity_of
 
 TOL = 2e-5  # max |fp32 - float64| / max |float64|; a wrong formula is off by O(1)
+
+
+def top_k(route: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k router's map as ``(idx, weights) [tokens, k]`` (its copies are choice-major)."""
+    k = route.copies // route.tokens
+    return route.expert.view(k, -1).t(), route.weight.view(k, -1).t()
 
 
 def moe_cfg(**kw) -> ModelConfig:
@@ -207,7 +215,7 @@ def check_against_loop(cfg: ModelConfig, seed: int, b: int, s: int) -> None:
     tol = layout_bound(max(noise))
     xm = x.clone().requires_grad_()
     y, _ = m(xm, z_prev)
-    assert m.router(xm.detach().reshape(-1, cfg.dim)).idx.tolist() == choices
+    assert top_k(m.router(xm.detach().reshape(-1, cfg.dim)))[0].tolist() == choices
     if cfg.moe_capacity:
         assert m.dropped.item() == dropped
     (y * up).sum().backward()  # the balance loss's gradient is added by the layer itself
@@ -325,7 +333,7 @@ def test_all_experts_with_equal_scores_average(balance: str, dispatch: str) -> N
             m.router.expert_bias.zero_()
     x = torch.randn(3, 4, cfg.dim)
     route = m.router(x.reshape(-1, cfg.dim))
-    assert torch.equal(route.weights, torch.full((12, 4), 0.25))
+    assert torch.equal(top_k(route)[1], torch.full((12, 4), 0.25))
     y, _ = m(x, None)
     payload = payload_of(m, x.reshape(-1, cfg.dim))
     inner = m.experts(payload, None).mean(0) + m.shared(payload, None).sum(0)
@@ -342,15 +350,16 @@ def test_capacity_drops_are_counted_and_deterministic(dispatch: str) -> None:
     x = torch.randn(2, 8, cfg.dim, generator=torch.Generator().manual_seed(2))
     y, _ = m(x, None)
     route = m.router(x.reshape(-1, cfg.dim))
-    capacity = moe_dispatch.capacity_of(16, 2, 4, 0.5)
-    kept = kept_by_hand(route.idx.tolist(), 4, capacity)
+    capacity = capacity_of(16, 2, 4, 0.5)
+    idx, weights = top_k(route)
+    kept = kept_by_hand(idx.tolist(), 4, capacity)
     dropped = sum(not k for row in kept for k in row)
     assert dropped > 0 and m.dropped.item() == dropped
     # The same layer without capacity, with the dropped copies' weights zeroed.
-    mask = torch.tensor(kept, dtype=route.weights.dtype)
-    weights = route.weights * mask
+    mask = torch.tensor(kept, dtype=weights.dtype)
     payload = payload_of(m, x.reshape(-1, cfg.dim))
-    out = moe_dispatch.dropless(payload, route.idx, weights, 4, m.experts)
+    masked = top_k_routing(idx, weights * mask, route.scores)
+    out = moe_dispatch.dropless(payload, masked, 4, m.experts)
     out = out + m.shared(payload, None).sum(0)
     expected = m.down_proj.up(out) if m.latent else out
     assert rel(y.detach(), expected.detach().view(2, 8, -1)) < TOL
@@ -369,16 +378,21 @@ def test_enough_capacity_equals_dropless() -> None:
     assert rel(y_cap, y) < TOL
 
 
-def test_host_sync_is_one_count_copy_per_dropless_layer(monkeypatch) -> None:
+def test_dropless_reads_nothing_back_where_the_grouped_kernel_runs(monkeypatch) -> None:
+    """ep 1 dropless runs the experts as grouped GEMMs on device offsets: no host read.
+    The padded fallback (float64 here, which the grouped kernel does not take) reads the
+    busiest expert's count once per layer; a capacity never reads anything."""
     calls = []
     real = moe_dispatch.host_counts
     monkeypatch.setattr(moe_dispatch, "host_counts", lambda c: calls.append(1) or real(c))
     m = build(moe_cfg(), seed=1)
     x = torch.randn(2, 3, 16)
     m(x, None)
+    assert calls == []
+    m.double()(x.double(), None)
     assert len(calls) == 1
     m.capacity = 1.0
-    m(x, None)
+    m(x.double(), None)
     assert len(calls) == 1  # fixed shapes: no copy
 
 
@@ -395,8 +409,8 @@ def test_bias_balance_counts_updates_and_stays_a_buffer() -> None:
     m.train()
     y, _ = m(x, None)
     y.sum().backward()
-    idx = m.router(x.reshape(-1, cfg.dim)).idx
-    load = torch.bincount(idx.reshape(-1), minlength=4)
+    idx = m.router(x.reshape(-1, cfg.dim)).expert
+    load = torch.bincount(idx, minlength=4)
     assert torch.equal(m.router.load, load)
     assert m.router.expert_bias.grad is None and not m.router.expert_bias.requires_grad
     update_expert_biases(moe_layers(m))
@@ -409,9 +423,9 @@ def test_bias_balance_counts_updates_and_stays_a_buffer() -> None:
 def test_balance_loss_by_hand() -> None:
     # One sequence of two tokens, two experts, one choice each: f = E/(k s) x counts.
     scores = torch.tensor([[0.7, 0.3], [0.4, 0.6]])
-    apart = Routing(torch.tensor([[0], [1]]), torch.ones(2, 1), scores)
+    apart = top_k_routing(torch.tensor([[0], [1]]), torch.ones(2, 1), scores)
     assert balance_loss(apart, torch.Size([1, 2]), 2).item() == pytest.approx(1.0)
-    together = Routing(torch.tensor([[0], [0]]), torch.ones(2, 1), scores)
+    together = top_k_routing(torch.tensor([[0], [0]]), torch.ones(2, 1), scores)
     # f = [2, 0], P = [0.55, 0.45]
     assert balance_loss(together, torch.Size([1, 2]), 2).item() == pytest.approx(1.1)
 
@@ -437,8 +451,8 @@ def test_bf16_autocast_routes_in_fp32() -> None:
         y, _ = m(x, None)
         route = m.router(x.reshape(-1, cfg.dim))
     assert y.dtype == torch.bfloat16 and bool(torch.isfinite(y.float()).all())
-    assert route.weights.dtype == torch.float32
-    assert torch.equal(route.idx, m.router(x.reshape(-1, cfg.dim)).idx)
+    assert route.weight.dtype == torch.float32
+    assert torch.equal(route.expert, m.router(x.reshape(-1, cfg.dim)).expert)
 
 
 def _bias_after_step(rank: int, world: int) -> tuple[list[int], list[float]]:

@@ -115,7 +115,8 @@ def test_aux_gradient_of_micro_batches_is_that_of_the_whole_batch() -> None:
     for accum in (1, 2):
         cfg = layout_config("cola", "auto", 1, 1, 1, **aux, **{"train.grad_accum": accum})
         model = ParallelModel.build(cfg, torch.device("cpu"))
-        assert [m.aux_scale for m in model.moe_layers()] == [1 / accum] * 2
+        layers = [m for part in model.stages for m in moe_layers(part.model)]
+        assert [m.aux_scale for m in layers] == [1 / accum] * 2  # set by the engine's build
         inputs, targets = global_batch(cfg)  # batch_size 4
         inputs, targets = torch.cat([inputs, inputs.flip(0)]), torch.cat([targets, targets.flip(0)])
         for part in torch.arange(8).chunk(accum):

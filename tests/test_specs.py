@@ -102,11 +102,28 @@ def test_the_pipeline_boundary_is_the_residual_width_plus_crossing_latents() -> 
             continue
         cfg = RunConfig(model=_model(arch))
         cfg.parallel.tp, cfg.parallel.tp_strategy = 2, strategy
-        shapes = boundary_shapes(cfg, 3, 2)
+        shapes = boundary_shapes(cfg, 3, 2, layer=1)
         m = cfg.model
         assert shapes[0] == (3, cfg.data.seq_len, s.residual_width(m.dim, 2))
         assert len(shapes) == (8 if a.crossing else 1)
         assert all(sh == (3, cfg.data.seq_len, m.rank) for sh in shapes[1:])
+
+
+def test_no_down_proj_latent_crosses_into_an_moe_block() -> None:
+    """LaX MoE: an MoE block's B_d takes no crossing, so a boundary into one carries the
+    residual and six latents; into a dense block (before ``moe_dense_layers``) all seven."""
+    from boostlr.models.shapes import crossing_latents
+    from boostlr.parallel.pipeline import boundary_shapes
+
+    cfg = RunConfig(model=_model("lax"))
+    cfg.model.moe_experts, cfg.model.moe_dense_layers = 4, 2
+    assert "down_proj" in crossing_latents(cfg.model, 1)
+    six = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+    assert crossing_latents(cfg.model, 2) == six
+    assert len(boundary_shapes(cfg, 3, 1, layer=1)) == 8
+    assert len(boundary_shapes(cfg, 3, 1, layer=2)) == 7
+    cfg.model.arch = "cola"
+    assert crossing_latents(cfg.model, 2) == ()
 
 
 def test_block_traffic_is_the_designs() -> None:

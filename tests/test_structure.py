@@ -477,3 +477,73 @@ def test_schedule_names_are_compared_only_in_their_homes() -> None:
         if name not in SCHEDULE_HOMES and (hits := schedule_comparisons(path.read_text()))
     }
     assert not found, found
+
+
+# ----------------------------------------------------------------------------- MoE names
+
+#: The MoE dispatch forms' and balances' names (``model.moe_dispatch``, ``model.moe_balance``).
+MOE_NAMES = {"latent", "hidden", "bias", "aux"}
+# Their one home (boostlr.specs.moe), the schema's Literal sets and defaults, and the
+# standalone remote-code files an export carries (they cannot import boostlr).
+MOE_NAME_HOMES = {
+    "boostlr.specs.moe",
+    "boostlr.config.schema",
+    "boostlr.hf.configuration_boostlr",
+    "boostlr.hf.modeling_boostlr_moe",
+}
+
+
+def moe_name_literals(source: str) -> list[str]:
+    """Where ``source`` writes an MoE dispatch or balance name as a string constant: compared,
+    keyed, passed or returned, each is a decision that belongs to the spec's facts."""
+    return [
+        f"line {node.lineno}: {node.value!r}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and node.value in MOE_NAMES
+    ]
+
+
+def test_the_moe_name_rule_finds_what_it_forbids() -> None:
+    code = (
+        'a = moe_dispatch_of(m) == "latent"\n'
+        'b = m.moe_balance in ("bias", "aux")\n'
+        'c = f"dispatch {LATENT.name}"\n'
+        'out = [(FULL.name, "hidden")]\n'
+        'e = "the latent form"\n'
+        "f = spec.shared_outer\n"
+    )
+    assert [hit.split(":")[0] for hit in moe_name_literals(code)] == [
+        "line 1",
+        "line 2",
+        "line 2",
+        "line 4",
+    ]
+
+
+def test_moe_names_are_written_only_in_their_homes() -> None:
+    """What a dispatch form or a balance *is* (what a copy carries, the router's scores, a
+    selection bias, a balance loss) lives in :mod:`boostlr.specs.moe`: the runtime,
+    validation, the cost model, the trace and the export read its facts, so a new form or
+    balance is its spec entry plus its runtime (docs/extending.md)."""
+    found = {
+        name: hits
+        for name, path in modules().items()
+        if name not in MOE_NAME_HOMES and (hits := moe_name_literals(path.read_text()))
+    }
+    assert not found, found
+    assert moe_name_literals((PACKAGE / "specs" / "moe.py").read_text())  # the rule sees it
+
+
+def test_the_step_loop_knows_no_moe() -> None:
+    """The step loop runs whatever model the engine built: an MoE model's bookkeeping (the
+    balance bias after the optimizer step, the balance loss's scale, the routing metrics)
+    reaches it through the engine's generic step hooks (``parallel/step_hooks.py``)."""
+    graph = import_graph()
+    moe = {n for n in graph if "moe" in n.rpartition(".")[2] or n.endswith(".expert_parallel")}
+    loop = "boostlr.train.loop"
+    assert not graph[loop] & moe, sorted(graph[loop] & moe)
+    assert {"boostlr.models.moe", "boostlr.specs.moe", "boostlr.models.moe_router"} <= moe
+    source = ast.parse((PACKAGE / "train" / "loop.py").read_text())
+    words = {n.id for n in ast.walk(source) if isinstance(n, ast.Name)}
+    words |= {n.attr for n in ast.walk(source) if isinstance(n, ast.Attribute)}
+    assert not {w for w in words if "moe" in w.lower()}, words

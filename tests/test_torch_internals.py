@@ -151,6 +151,15 @@ def test_compiler_hooks() -> None:
     assert isinstance(ti.cpp_compiler_available(), bool)
 
 
+def test_compiled_graphs_counts_a_capture() -> None:
+    before = ti.compiled_graphs()
+    fn = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    fn(torch.ones(3))
+    assert ti.compiled_graphs() == before + 1
+    fn(torch.ones(3))  # the same shapes: no new graph
+    assert ti.compiled_graphs() == before + 1
+
+
 @pytest.mark.parametrize("name", ti.__all__)
 def test_every_export_resolves(name: str) -> None:
     assert getattr(ti, name) is not None

@@ -33,6 +33,7 @@ __all__ = [
     "DefaultAllGather",
     "DefaultReduceScatter",
     "STAGE_BACKWARD_METHOD",
+    "compiled_graphs",
     "compiler_config",
     "cpp_compiler_available",
     "gloo_options",
@@ -125,6 +126,14 @@ def torch_save_without_crc() -> Iterator[None]:
 def compiler_config() -> Any:
     """``torch._dynamo.config``, where the recompile limit lives."""
     return torch._dynamo.config
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has captured in this process so far (dynamo's counter): a
+    recompile shows as a new one, so a count that stops growing means no recompiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def has_triton() -> bool:

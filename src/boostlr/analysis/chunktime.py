@@ -34,9 +34,9 @@ from boostlr.analysis.gemms import (
 )
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import FP32, stage_modules
-from boostlr.analysis.moe import is_moe_layer
 from boostlr.config import ModelConfig, ParallelConfig, RunConfig
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe_layer
 
 
 def act_size(cfg: RunConfig) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from boostlr.config import ModelConfig, ParallelConfig
+from boostlr.models.shapes import LINEARS, crossing_latents
 from boostlr.specs.arch import arch_spec
 from boostlr.specs.strategy import FP32, BlockShape, spec_or_none, strategy_spec
 
@@ -115,23 +116,29 @@ def pp_send_bytes(
     first: bool,
     last: bool,
     act_size: int = FP32,
+    layers: range | None = None,
 ) -> int:
     """Point-to-point bytes one pipeline rank sends per schedule step (one stage per rank).
 
     A stage sends its output activations forward (unless last) and its input gradients
     back (unless first), once per pipeline micro-batch of ``micro_tokens`` tokens: the
-    residual (BTP: this rank's ``d/t`` slice; else the whole ``d``) in fp32, plus LaX's seven
-    ``[T, r]`` latents in the compute dtype (``act_size``), as
+    residual (BTP: this rank's ``d/t`` slice; else the whole ``d``) in fp32, plus the LaX
+    ``[T, r]`` latents the receiving block reads (``crossing_latents``: seven, six into an
+    MoE block) in the compute dtype (``act_size``), as
     ``boostlr.parallel.tensor_parallel.boundary_dtypes`` declares; each gradient travels
-    back in its activation's dtype.
+    back in its activation's dtype. ``layers``: the stage's blocks (its boundaries are
+    into ``layers.start`` and ``layers.stop``); ``None``: boundaries into dense blocks.
     """
     spec = spec_or_none(strategy)
     d = spec.residual_width(cfg.dim, tp) if spec else cfg.dim
     residual = micro_tokens * d * FP32
-    fwd = bwd = residual
-    if arch_spec(cfg.arch).crossing:
-        fwd += 7 * micro_tokens * cfg.rank * act_size
-        bwd += 7 * micro_tokens * cfg.rank * act_size
+    if layers is None:
+        into_next = into_this = len(LINEARS) if arch_spec(cfg.arch).crossing else 0
+    else:
+        into_next = len(crossing_latents(cfg, layers.stop))
+        into_this = len(crossing_latents(cfg, layers.start))
+    latent = micro_tokens * (cfg.rank or 0) * act_size
+    fwd, bwd = residual + into_next * latent, residual + into_this * latent
     return microbatches * ((0 if last else fwd) + (0 if first else bwd))
 
 

@@ -72,9 +72,7 @@ from boostlr.analysis.moe import (
     ep_micro_bytes,
     ep_micro_calls,
     expert_grad_bytes,
-    expert_weights_per_layer,
-    is_moe,
-    moe_layer_count,
+    expert_grad_calls,
     moe_mlp_activation,
     moe_summary,
 )
@@ -82,6 +80,7 @@ from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
 from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe, moe_layer_count
 from boostlr.specs.schedule import VIRTUAL_SLOTS, schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
@@ -148,7 +147,8 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
             for k, v in vol.metrics(mb * steps).items():
                 tp[k.removeprefix("comm_tp_")] += v
         if p.pp > 1:
-            pp_bytes += steps * pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a)
+            sent = pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a, layers)
+            pp_bytes += steps * sent
     params = rank_params(m, strategy, p, pp_rank, tp_rank)
     gathered = act_size(cfg)  # bf16: FSDP's mixed precision gathers bf16 parameters
     fsdp = p.data_parallel_mode == "fsdp"
@@ -164,7 +164,8 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
     }
     if is_moe(m):  # the ledger's groups ep and dp_rep (analysis/moe.py)
         out["comm_ep_bytes"] = steps * mb * ep_micro_bytes(m, p, tokens, a)
-        out["comm_dp_rep_bytes"] = expert_grad_bytes(p, params.experts)
+        units = params.expert_units
+        out["comm_dp_rep_bytes"] = expert_grad_bytes(p, units, steps, mb, gathered)
     return out
 
 
@@ -221,9 +222,15 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
             # to the stage's backward end), with full grads; FSDP2's staging buffer on top.
             units = max(2 * params.largest_block, params.largest_module)
             out["gathered"] = FP32 * (2 * (units + params.roots) + params.largest_module)
+            # A routed-expert unit over dp_rep (one layer's E/ep experts), gathered in the
+            # FSDP dtype beside its block (its gradient comes in the backward, as that
+            # layer's activations go).
+            out["gathered"] += a * params.largest_expert_unit
         else:  # parameters stay gathered from forward to backward (a dp-split vocabulary not)
             # in FSDP's param dtype (the compute dtype under bf16).
-            gathered = params.local - params.vocab_local - params.experts
+            # Routed experts held whole (ep = dp) are not gathered; over dp_rep > 1 they are.
+            whole = 0 if params.expert_units else params.experts
+            gathered = params.local - params.vocab_local - whole
             out["gathered"] = a * gathered + FP32 * params.largest_module
             if p.pp > 1:
                 # torch's pipeline stage keeps the gradients unsharded (reduce dtype, fp32)
@@ -413,7 +420,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             for g in gemms
         ],
         flops_per_rank=steps * mb * slowest.flops,
-        moe=moe_summary(m, p, comm_metrics(cfg)["comm_ep_bytes"]) if is_moe(m) else None,
+        moe=_moe_summary(cfg, hw, sum(worst.values())) if is_moe(m) else None,
         fixed={
             **fixed,
             "launch_s": launch,
@@ -427,22 +434,37 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     )
 
 
+def _moe_summary(cfg: RunConfig, hw: HardwareProfile, memory: float) -> dict[str, object]:
+    """:func:`moe_summary` of a planning config: its ep bytes and its receive bound over the
+    MoE layers whose activations are alive at pipeline rank 0's peak."""
+    p, m = cfg.parallel, cfg.model
+    held = 1
+    if p.act_ckpt == "none":
+        layers = sum(moe_layer_count(m, ls) for ls, _, _ in stage_modules(p, m.n_layers, 0))
+        held = layers * in_flight(p, 0)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    ep_bytes = comm_metrics(cfg)["comm_ep_bytes"]
+    return moe_summary(m, p, ep_bytes, tokens, act_size(cfg), held, memory, hw.memory)
+
+
 def moe_comm_times(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> dict[str, float]:
-    """Seconds of an MoE step's ep all-to-alls and its expert-gradient all-reduce over
-    dp_rep. Both are exposed: each all-to-all's result is the next op's input, and
-    ``reduce_expert_grads`` runs after the last backward, before clipping."""
+    """Seconds of an MoE step's ep all-to-alls and of the expert units' FSDP traffic over
+    dp_rep. The all-to-alls are exposed: each one's result is the next op's input. The
+    expert units overlap compute as the blocks' FSDP traffic does, bar one unit's share
+    (the first gather, the last reduce-scatter): that share is exposed."""
     p, m = cfg.parallel, cfg.model
     seqs, mb, steps = microbatching(cfg)
     metrics = comm_metrics(cfg)
     calls = steps * mb * ep_micro_calls(m, p)
     ep = collective_time("all_to_all", metrics["comm_ep_bytes"], calls, p.ep, p.ep * p.tp, hw)
-    experts = expert_weights_per_layer(m) * moe_layer_count(m, range(m.n_layers))
+    units = len(params.expert_units)
+    rep_calls = expert_grad_calls(p, units, steps, mb)
     rep = collective_time(
-        "all_reduce", metrics["comm_dp_rep_bytes"], experts, dp_rep(p), p.dp * p.tp, hw
+        "all_gather", metrics["comm_dp_rep_bytes"], rep_calls, dp_rep(p), p.dp * p.tp, hw
     )
     return {
         "ep_comm_s": ep,
-        "dp_rep_comm_s": rep if params.experts else 0.0,
+        "dp_rep_comm_s": rep / units if units else 0.0,
         "ep_alpha_s": collective_alpha("all_to_all", calls, p.ep, p.ep * p.tp, hw),
     }
 

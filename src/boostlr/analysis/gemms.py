@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 
 from boostlr.analysis.moe import (
     expert_rows,
-    is_moe_layer,
     latent_dispatch,
     moe_kernels,
     routing_passes,
@@ -26,6 +25,7 @@ from boostlr.analysis.moe import (
 from boostlr.config import ModelConfig
 from boostlr.models.shapes import MLP_LINEARS, linear_shapes
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe_layer
 from boostlr.specs.strategy import BlockShape, StrategySpec, Traffic, spec_or_none
 
 FP32 = 4

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from boostlr.analysis.comm import vocab_dp
-from boostlr.analysis.moe import is_routed_expert_name
 from boostlr.config import ModelConfig, ParallelConfig
 from boostlr.models.placement import VOCAB_PARAMS, chunk_range, shard_dim, stage_ids, stage_layers
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_routed_expert
 from boostlr.specs.schedule import schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
@@ -63,9 +63,15 @@ class RankParams:
     # backward comes first, so from the second micro-batch on its new gradient sits beside
     # the held one and the micro-batch's activations.
     head_own_grad: int = 0
-    # Routed experts at ``parallel.ep > 1``: this rank's ``E/ep`` experts, held whole beside
-    # FSDP's units (replicated over dp_rep; in ``local`` too, in no module).
+    # Routed experts at ``parallel.ep > 1``: what this rank holds of its ``E/ep`` experts
+    # (in ``local`` too, whole, in no dp module): over ``dp_rep > 1`` its padded FSDP shard
+    # (1/dp of all experts), at dp_rep 1 all ``E/ep`` of them.
     experts: int = 0
+    # ... the FSDP units over dp_rep (one per MoE layer: padded local shard elements); empty
+    # at dp_rep 1, where nothing gathers them.
+    expert_units: tuple[int, ...] = ()
+    # ... the largest of those units gathered: one MoE layer's ``E/ep`` experts.
+    largest_expert_unit: int = 0
 
     @property
     def sharded(self) -> int:
@@ -111,12 +117,17 @@ def _rank_params(
     local = vocab = vocab_local = 0
     modules: list[int] = []
     largest = largest_block = roots = own_grad = experts = 0
+    expert_units: list[int] = []
+    largest_experts = 0
+    rep = p.dp // p.ep if p.ep > 1 else 1  # ranks holding the same ep shard (dp_rep)
     split_vocab = vocab_dp(cfg, p) > 1
     shapes = param_shapes(cfg)
     for layers, first, last in stage_modules(p, cfg.n_layers, pp_rank):
         blocks, block_local = {i: 0 for i in layers}, {i: 0 for i in layers}
         root = root_local = 0
         units: list[int] = []  # an untied embedding and head are FSDP units of their own
+        units_of: dict[int, int] = {}  # MoE layer -> its experts' unit over dp_rep
+        gathered_of: dict[int, int] = {}  # ... and that unit gathered
         for name, shape in shapes:
             layer = _layer_of(name)
             if layer is None:
@@ -127,9 +138,17 @@ def _rank_params(
                     continue
             elif layer not in blocks:
                 continue
-            if p.ep > 1 and is_routed_expert_name(name):  # E/ep rows, no FSDP unit
-                n = shape[0] // p.ep * math.prod(shape[1:])
-                local, experts = local + n, experts + n
+            if p.ep > 1 and is_routed_expert(name):  # E/ep rows, sharded over dp_rep
+                assert layer is not None  # routed experts live in blocks
+                rows, rest = shape[0] // p.ep, math.prod(shape[1:])
+                local += rows * rest
+                if rep == 1:  # held whole, as the blocks' dp modules leave them
+                    experts += rows * rest
+                    continue
+                shard = -(-rows // rep) * rest  # FSDP pads dim 0 to a multiple of dp_rep
+                units_of[layer] = units_of.get(layer, 0) + shard
+                gathered_of[layer] = gathered_of.get(layer, 0) + rows * rest
+                experts += shard
                 continue
             dims = list(shape)
             dim = shard_dim(name, strategy, cfg.tie_embeddings)
@@ -156,10 +175,22 @@ def _rank_params(
             else:
                 blocks[layer], block_local[layer] = blocks[layer] + padded, block_local[layer] + n
         modules += [*blocks.values(), *units, root]
+        expert_units += units_of.values()
+        largest_experts = max([largest_experts, *gathered_of.values()])
         largest_block = max([largest_block, *block_local.values()])
         largest, roots = max(largest, root_local, largest_block), roots + root_local
     return RankParams(
-        local, tuple(modules), largest, largest_block, roots, vocab, vocab_local, own_grad, experts
+        local,
+        tuple(modules),
+        largest,
+        largest_block,
+        roots,
+        vocab,
+        vocab_local,
+        own_grad,
+        experts,
+        tuple(expert_units),
+        largest_experts,
     )
 
 

@@ -25,6 +25,7 @@ from boostlr.config import (
 )
 from boostlr.errors import ConfigError
 from boostlr.specs.arch import COLA, FULL, arch_spec
+from boostlr.specs.moe import HIDDEN, LATENT
 from boostlr.specs.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from boostlr.specs.strategy import act_ckpt_modes, strategies_for, strategy_spec
 
@@ -88,11 +89,9 @@ def moe_families(cfg: RunConfig) -> list[tuple[str, str]]:
     """(arch, dispatch) of an MoE config's rows, at its own layout and expert shape: dense
     experts (``full``, hidden), the low-rank arch's whole-MLP experts (hidden; not LaX,
     which routes only latents) and its latent experts (docs/moe.md, "Planning")."""
-    lowrank = cfg.model.arch if cfg.model.lowrank else COLA.name
-    out = [(FULL.name, "hidden")]
-    if not arch_spec(lowrank).crossing:
-        out.append((lowrank, "hidden"))
-    return [*out, (lowrank, "latent")]
+    lowrank = arch_spec(cfg.model.arch if cfg.model.lowrank else COLA.name)
+    forms = [form for form in (HIDDEN, LATENT) if form.takes(lowrank)]
+    return [(FULL.name, HIDDEN.name), *((lowrank.name, form.name) for form in forms)]
 
 
 def moe_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
@@ -123,9 +122,9 @@ def moe_variant(cfg: RunConfig, arch: str, dispatch: str) -> RunConfig:
 
 def expert_parallel_degrees(cfg: RunConfig, dp: int) -> list[int]:
     """The ``parallel.ep`` a search tries at ``dp``: divisors of dp that divide the routed
-    experts (1 alone for a dense model, or a capacity-bound MoE: ep runs dropless only)."""
+    experts (1 alone for a dense model)."""
     m = cfg.model
-    if not m.moe_experts or m.moe_capacity:
+    if not m.moe_experts:
         return [1]
     return [e for e in _divisors(dp) if m.moe_experts % e == 0]
 

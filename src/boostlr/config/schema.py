@@ -61,7 +61,7 @@ OMITTED_AT_DEFAULT: dict[str, tuple[str, ...]] = {
         "moe_bias_rate",
         "moe_capacity",
     ),
-    "parallel": ("ep",),
+    "parallel": ("ep", "ep_receive_factor"),
 }
 
 
@@ -185,7 +185,9 @@ class ModelConfig:
     capacity factor: each expert takes at most ``ceil(moe_capacity x tokens x moe_top_k /
     moe_experts)`` copies, in fixed shapes with no host sync; the copies over it are dropped
     (first choices are served before second ones, earlier tokens before later) and counted.
-    A dropped copy adds nothing; the token keeps its residual and the shared experts."""
+    A dropped copy adds nothing; the token keeps its residual and the shared experts. At
+    ``parallel.ep > 1`` ``tokens`` are one rank's: each rank sends each expert at most that
+    many copies in one fixed-shape all-to-all, the drops of dp at ep 1."""
 
     @property
     def lowrank(self) -> bool:
@@ -279,7 +281,9 @@ class TrainConfig:
     ``auto`` (the SLURM job's end time under SLURM, else none) or ``none``."""
     compile: bool = False
     """torch.compile every block (inductor): each collective-free region is one graph, the
-    collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA."""
+    collectives between them stay eager. Needs a C++ compiler on CPU, Triton on CUDA. An
+    MoE model at ``parallel.ep > 1`` needs ``model.moe_capacity > 0`` (fixed shapes; dropless
+    all-to-all sizes change every micro-batch)."""
     profile_steps: str = ""
     """``A:B`` writes a torch.profiler trace of steps A..B into the run directory, one file
     per rank (``trace_rank{r}_steps{A}-{B}.json``); empty is off."""
@@ -330,8 +334,16 @@ class ParallelConfig:
     """Expert-parallel degree, carved out of ``dp`` (it must divide it, and
     ``model.moe_experts``): each group of ``ep`` consecutive dp ranks holds the routed
     experts ``E / ep`` apiece and sends each routed token to its expert's owner
-    (docs/moe.md). 1 = every rank holds every expert. Dropless dispatch only
-    (``model.moe_capacity 0``); step rows then add ``comm_ep_bytes`` and ``comm_ep_time_s``."""
+    (docs/moe.md). 1 = every rank holds every expert. Step rows then add ``comm_ep_bytes``
+    and ``comm_ep_time_s``."""
+    ep_receive_factor: float = 2.0
+    """At ``ep > 1`` with dropless dispatch (``model.moe_capacity 0``), the most routed
+    copies one rank's experts take per MoE layer and micro-batch, over the balanced load:
+    ``ceil(ep_receive_factor x T x moe_top_k)`` rows (``T`` tokens per rank). Every rank
+    computes every rank's share from the exchanged counts and drops the same copies past it
+    (later choices and later tokens first, counted in ``moe_dropped``), so a hot expert
+    cannot make one rank run out of memory. 0 = no bound; otherwise at least 1. A capacity
+    bounds the receive by itself; ignored at ep 1."""
     pp: int = 1
     """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
     (times ``pp_virtual`` under ``interleaved``)."""

@@ -149,7 +149,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("parallel.device", cfg.parallel.device, DEVICES)
     validate_model(m)
     validate_parallel(cfg.parallel, m)
-    validate_moe(m, cfg.parallel)
+    validate_moe(m, cfg.parallel, t.compile)
     for key, value in (
         ("data.seq_len", d.seq_len),
         ("data.val_batches", d.val_batches),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from boostlr.config.schema import (
-    LOWRANK_ARCHS,
     MOE_BALANCES,
     MOE_DISPATCHES,
     OMITTED_AT_DEFAULT,
@@ -18,25 +17,29 @@ from boostlr.config.schema import (
     ParallelConfig,
 )
 from boostlr.errors import ConfigError
-from boostlr.specs.arch import arch_spec
+from boostlr.specs.arch import LOWRANK_ARCHS, arch_spec
+from boostlr.specs.moe import HIDDEN, LATENT, DispatchSpec, resolve_dispatch
 from boostlr.specs.strategy import strategy_spec
 
 
+def dispatch_of(m: ModelConfig) -> DispatchSpec:
+    """The spec of ``model.moe_dispatch``, ``auto`` decided by the arch (the latent form for
+    low-rank archs; ``full`` has no latent to route)."""
+    return resolve_dispatch(m.moe_dispatch, arch_spec(m.arch))
+
+
 def moe_dispatch_of(m: ModelConfig) -> str:
-    """``model.moe_dispatch`` with ``auto`` decided: ``latent`` for low-rank archs, else
-    ``hidden`` (``full`` has no latent to route)."""
-    if m.moe_dispatch != "auto":
-        return m.moe_dispatch
-    return "latent" if m.arch in LOWRANK_ARCHS else "hidden"
+    """``model.moe_dispatch`` with ``auto`` decided (its name, as configs and exports write it)."""
+    return dispatch_of(m).name
 
 
-def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
+def validate_moe(m: ModelConfig, p: ParallelConfig | None = None, compile: bool = False) -> None:
     """Reject impossible MoE settings; ``p`` adds the layout checks (unset when only a model
-    is loaded: checkpoints, exports)."""
+    is loaded: checkpoints, exports), ``compile`` is ``train.compile``."""
     if m.moe_experts < 0:
         raise ConfigError(f"model.moe_experts must be >= 0 (0 = dense MLP), got {m.moe_experts}")
     if p is not None:
-        _validate_ep(m, p)
+        _validate_ep(m, p, compile)
     if m.moe_experts == 0:
         _no_moe_keys(m)
         return
@@ -67,16 +70,18 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
     for key in ("moe_aux_coef", "moe_bias_rate", "moe_capacity"):
         if not getattr(m, key) >= 0:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(m, key)}")
-    dispatch = moe_dispatch_of(m)
-    if dispatch == "latent" and m.arch not in LOWRANK_ARCHS:
+    dispatch, arch = dispatch_of(m), arch_spec(m.arch)
+    if not dispatch.takes(arch) and dispatch.shared_outer:
         raise ConfigError(
-            f"model.moe_dispatch latent needs a low-rank arch (cola, svd, lax), not "
-            f"'{m.arch}': use --model.moe_dispatch hidden"
+            f"model.moe_dispatch {dispatch.name} needs a low-rank arch "
+            f"({', '.join(LOWRANK_ARCHS)}), not '{m.arch}': use --model.moe_dispatch "
+            f"{HIDDEN.name}"
         )
-    if dispatch == "hidden" and arch_spec(m.arch).crossing:
+    if not dispatch.takes(arch):
         raise ConfigError(
-            "model.moe_dispatch hidden is not supported for arch lax (each whole-MLP expert "
-            "would need its own crossing latents per token): use --model.moe_dispatch latent"
+            f"model.moe_dispatch {dispatch.name} is not supported for arch {m.arch} (each "
+            "whole-MLP expert would need its own crossing latents per token): use "
+            f"--model.moe_dispatch {LATENT.name}"
         )
     if m.lowrank and m.rank is not None and m.rank > m.moe_ffn_dim:
         raise ConfigError(
@@ -92,7 +97,7 @@ def validate_moe(m: ModelConfig, p: ParallelConfig | None = None) -> None:
         )
 
 
-def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: str) -> None:
+def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: DispatchSpec) -> None:
     """Tensor parallelism: BTP with latent dispatch only (the router rides in its MLP norm's
     all-reduce and every TP rank holds the latents it routes: parallel/btp_moe.py)."""
     strategy = p.strategy_for(m.arch)
@@ -103,10 +108,11 @@ def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: str) -> None:
             f"model.moe_experts > 0 runs under tp strategy btp only, not '{strategy}' (even "
             "at parallel.tp 1): use a low-rank arch with --parallel.tp_strategy btp, or tp 1"
         )
-    if dispatch != "latent":
+    if not dispatch.shared_outer:
         raise ConfigError(
-            f"model.moe_dispatch {dispatch} runs on the single-device block only, not under "
-            "tp strategy btp: use --model.moe_dispatch latent, or tp 1 without a tp_strategy"
+            f"model.moe_dispatch {dispatch.name} runs on the single-device block only, not "
+            f"under tp strategy {strategy}: use --model.moe_dispatch {LATENT.name}, or tp 1 "
+            "without a tp_strategy"
         )
     if p.tp > 1 and m.moe_capacity:
         raise ConfigError(
@@ -120,11 +126,18 @@ def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: str) -> None:
         )
 
 
-def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
+def _validate_ep(m: ModelConfig, p: ParallelConfig, compile: bool) -> None:
     """``parallel.ep``: a divisor of dp (ep ranks are carved out of it) and of the routed
-    experts (each ep rank holds ``E / ep`` of them)."""
+    experts (each ep rank holds ``E / ep`` of them); its receive bound; under
+    ``train.compile`` a capacity (fixed shapes), since dropless sizes are data-dependent."""
     if p.ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1 (1 = no expert parallelism), got {p.ep}")
+    factor = p.ep_receive_factor
+    if not (factor == 0 or factor >= 1):
+        raise ConfigError(
+            f"parallel.ep_receive_factor must be 0 (no bound) or >= 1 (the balanced load), got "
+            f"{factor}: below 1 even balanced routing drops (use --model.moe_capacity)"
+        )
     if p.ep == 1:
         return
     if m.moe_experts == 0:
@@ -142,10 +155,11 @@ def _validate_ep(m: ModelConfig, p: ParallelConfig) -> None:
             f"parallel.ep {p.ep} must divide model.moe_experts {m.moe_experts}: each ep rank "
             "holds the same number of experts"
         )
-    if m.moe_capacity:
+    if compile and not m.moe_capacity:
         raise ConfigError(
-            f"parallel.ep {p.ep} runs the dropless dispatch only: drop --model.moe_capacity "
-            f"({m.moe_capacity})"
+            f"train.compile with parallel.ep {p.ep} needs a capacity: dropless all-to-all "
+            "sizes change every micro-batch (a recompile each time): set --model.moe_capacity "
+            "(e.g. 1.25) or --train.compile false"
         )
 
 

@@ -3,22 +3,22 @@
 Copied into every MoE export beside ``configuration_boostlr.py`` and ``modeling_boostlr.py``,
 whose classes these subclass: the blocks from ``moe_dense_layers`` on get
 :class:`BoostlrMoeMLP`, the earlier ones keep the dense MLP. It imports torch and
-transformers only, so an export loads without boostlr; the math restates boostlr's
-``models/moe.py``, ``moe_experts.py`` and ``moe_dispatch.py`` operation for operation, so the
-logits are boostlr's own forward's, and the parameter names are boostlr's
-(``mlp.router.weight``, ``mlp.router.expert_bias``, ``mlp.experts.gate_proj.up.weight
-[E, f_e, r]``, ...), so the weights load by name. A dense export does not carry this file.
+transformers only, so an export loads without boostlr; the router and the experts restate
+boostlr's ``models/moe.py`` and ``moe_experts.py`` operation for operation, and the dispatch
+(sort by expert, grouped GEMMs, combine; the capacity form) is boostlr's own
+``moe_grouped.py``, copied beside this file, so the logits are boostlr's own forward's, and
+the parameter names are boostlr's (``mlp.router.weight``, ``mlp.router.expert_bias``,
+``mlp.experts.gate_proj.up.weight [E, f_e, r]``, ...), so the weights load by name. A dense
+export does not carry this file.
 
-Dispatch is boostlr's too: dropless (copies sorted by expert, each expert once on its
-slice), or with ``moe_capacity > 0`` a fixed capacity per expert whose overflow is dropped,
+Dispatch is boostlr's too: dropless (copies sorted by expert, every expert GEMM one grouped
+call; padded where the widths or dtype do not fit the grouped kernel), or with
+``moe_capacity > 0`` a fixed capacity per expert whose overflow is dropped,
 as boostlr's forward drops it in evaluation as in training. Which copies drop then depends
 on the tokens that share a forward (batch, padding, a KV cache's one-token steps).
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,15 @@ from .modeling_boostlr import (
     Latents,
     _get,
 )
-
-ExpertFn = Callable[[torch.Tensor, "int | None"], torch.Tensor]
+from .moe_grouped import (
+    capacity_of,
+    dropless,
+    grouped_widths_fit,
+    run_experts,
+    stacked_linear,
+    top_k_copies,
+    with_capacity,
+)
 
 
 def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
@@ -86,10 +93,9 @@ class StackedFactor(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
 
-    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
-        """Matrix ``e`` on ``x [..., d_in]``; ``e=None``: all ``n``, batched or broadcast."""
-        w = self.weight
-        return torch.matmul(x, (w if e is None else w[e]).mT)
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        """Every matrix on its sorted rows of ``x`` (``offs``), or batched/broadcast."""
+        return stacked_linear(x, self.weight, offs)
 
 
 class StackedLinear(nn.Module):
@@ -98,17 +104,25 @@ class StackedLinear(nn.Module):
     def __init__(self, n: int, d_in: int, d_out: int, rank: int | None, activation: bool):
         super().__init__()
         self.activation = activation
+        self.widths = (d_in, d_out) if rank is None else (d_in, rank, d_out)
         if rank is None:
             self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
         else:
             self.down = StackedFactor(n, d_in, rank)
             self.up = StackedFactor(n, rank, d_out)
 
-    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
         if not hasattr(self, "down"):
-            return torch.matmul(x, (self.weight if e is None else self.weight[e]).mT)
-        a = self.down(x, e)
-        return self.up(F.silu(a) if self.activation else a, e)
+            return stacked_linear(x, self.weight, offs)
+        a = self.down(x, offs)
+        return self.up(F.silu(a) if self.activation else a, offs)
+
+
+def _run(experts: nn.Module, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """``experts._compute`` grouped where the widths and dtype fit the grouped kernel, else
+    padded (one read of the busiest expert's count)."""
+    grouped = grouped_widths_fit(experts.widths, next(experts.parameters()).dtype)
+    return run_experts(experts._compute, x, offs, grouped, lambda counts: int(counts.max()))
 
 
 class WholeExperts(nn.Module):
@@ -120,10 +134,14 @@ class WholeExperts(nn.Module):
         self.gate_proj = StackedLinear(n, dim, ffn, rank, activation)
         self.up_proj = StackedLinear(n, dim, ffn, rank, activation)
         self.down_proj = StackedLinear(n, ffn, dim, rank, activation)
+        self.widths = self.gate_proj.widths + self.down_proj.widths
 
-    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
-        h = expert_product(self.gate_proj(x, e), self.up_proj(x, e), self.form)
-        return self.down_proj(h, e)
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        return _run(self, x, offs)
+
+    def _compute(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        h = expert_product(self.gate_proj(x, offs), self.up_proj(x, offs), self.form)
+        return self.down_proj(h, offs)
 
 
 class _Part(nn.Module):
@@ -137,62 +155,20 @@ class LatentExperts(nn.Module):
     def __init__(self, n: int, rank: int, ffn: int, activation: bool, form: str):
         super().__init__()
         self.rank, self.form, self.activation = rank, form, activation
+        self.widths = (rank, ffn)
         self.gate_proj, self.up_proj, self.down_proj = _Part(), _Part(), _Part()
         self.gate_proj.up = StackedFactor(n, rank, ffn)  # B_g^e
         self.up_proj.up = StackedFactor(n, rank, ffn)  # B_u^e
         self.down_proj.down = StackedFactor(n, ffn, rank)  # A_d^e
 
-    def forward(self, z: torch.Tensor, e: int | None) -> torch.Tensor:
-        zg, zu = z[..., : self.rank], z[..., self.rank :]
-        h = expert_product(self.gate_proj.up(zg, e), self.up_proj.up(zu, e), self.form)
-        a = self.down_proj.down(h, e)
+    def forward(self, z: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        return _run(self, z, offs)
+
+    def _compute(self, z: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        zg, zu = z[..., : self.rank].contiguous(), z[..., self.rank :].contiguous()
+        h = expert_product(self.gate_proj.up(zg, offs), self.up_proj.up(zu, offs), self.form)
+        a = self.down_proj.down(h, offs)
         return F.silu(a) if self.activation else a
-
-
-def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
-    """Routed copies per expert, ``[experts]`` int64."""
-    flat = idx.reshape(-1)
-    counts = torch.zeros(experts, dtype=torch.int64, device=idx.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
-
-
-def dropless(
-    payload: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: int, fn: ExpertFn
-) -> torch.Tensor:
-    """Every copy computed: copies sorted by expert, ``fn(slice, e)`` once per expert."""
-    k = idx.shape[1]
-    order = torch.argsort(idx.reshape(-1), stable=True)
-    token = order // k
-    chunks = payload[token].split(expert_counts(idx, experts).tolist())
-    out = torch.cat([fn(chunk, e) for e, chunk in enumerate(chunks)])
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return out.new_zeros(payload.shape[0], out.shape[-1]).index_add(0, token, out)
-
-
-def with_capacity(
-    payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
-    experts: int,
-    factor: float,
-    fn: ExpertFn,
-) -> torch.Tensor:
-    """Each expert takes at most ``ceil(factor · tokens · k / E)`` copies, first choices
-    first and then in token order; the rest are dropped (they add nothing)."""
-    tokens, k = idx.shape
-    capacity = max(1, math.ceil(factor * tokens * k / experts))
-    by_choice = idx.t().reshape(-1)
-    token = torch.arange(tokens, device=idx.device).repeat(k)
-    one_hot = F.one_hot(by_choice, experts)
-    position = (one_hot.cumsum(0) - 1).gather(1, by_choice.unsqueeze(1)).squeeze(1)
-    row = torch.where(position < capacity, by_choice * capacity + position, experts * capacity)
-    rows = payload.new_zeros(experts * capacity + 1, payload.shape[-1])
-    rows = rows.index_add(0, row, payload[token])
-    out = fn(rows[:-1].view(experts, capacity, -1), None).reshape(experts * capacity, -1)
-    out = torch.cat([out, out.new_zeros(1, out.shape[-1])])
-    w = weights.t().reshape(-1).to(out.dtype)
-    combined = out.new_zeros(tokens, out.shape[-1])
-    return combined.index_add(0, token, out[row] * w.unsqueeze(-1))
 
 
 class _SharedOut(nn.Module):
@@ -243,11 +219,12 @@ class BoostlrMoeMLP(nn.Module):
             payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
         else:
             payload = tokens
+        copies = top_k_copies(idx, weights)
         if self.capacity:
-            args = (self.experts_n, self.capacity, self.experts)
-            out = with_capacity(payload, idx, weights, *args)
+            cap = capacity_of(idx.shape[0], idx.shape[1], self.experts_n, self.capacity)
+            out, _ = with_capacity(payload, *copies, self.experts_n, cap, self.experts)
         else:
-            out = dropless(payload, idx, weights, self.experts_n, self.experts)
+            out = dropless(payload, *copies, self.experts_n, self.experts)
         if hasattr(self, "shared"):
             out = out + self.shared(payload, None).sum(0)
         if self.latent:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
-from boostlr.config.validate_moe import moe_dispatch_of
+from boostlr.config.validate_moe import dispatch_of
 from boostlr.models.shapes import MLP_LINEARS, linear_shapes
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe_layer
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def moe_mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """
     d, f, n_routed = cfg.dim, cfg.moe_ffn_dim or 0, cfg.moe_experts
     router = n_routed * d
-    if moe_dispatch_of(cfg) == "latent":
+    if dispatch_of(cfg).shared_outer:
         r = cfg.rank or 0
         shared_in = linear_params(cfg, d, 0, layer)  # A_g (or A_u): d -> r, LaX's crossing too
         outer = (2 * shared_in[0] + r * d, 2 * shared_in[1] + r * d)  # + B_d: r -> d
@@ -67,7 +68,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     for layer in range(cfg.n_layers):
         total += 2 * d  # two RMSNorm gains
         shapes = linear_shapes(cfg)
-        if cfg.moe_experts > 0 and layer >= cfg.moe_dense_layers:
+        if is_moe_layer(cfg, layer):
             p, m = moe_mlp_params(cfg, layer)
             total, matmul = total + p, matmul + m
             shapes = {k: v for k, v in shapes.items() if k not in MLP_LINEARS}

@@ -16,12 +16,20 @@ parameter, shifts only which experts are selected and moves after each optimizer
 against the step's load (:func:`update_expert_biases`). ``aux``: softmax scores and a
 sequence-level balance loss whose gradient is added in the backward (:class:`_AddAuxGrad`),
 so no caller has to add it to the loss, pipeline stages included.
+
+The layer is a chain of plain parts: the router (:mod:`boostlr.models.moe_router`) gives
+a routing map (:mod:`boostlr.models.moe_routing`); a dispatch
+(:mod:`boostlr.models.moe_dispatch`, or the one a runtime hands the layer: expert
+parallelism's) runs the map's copies through the experts (:mod:`boostlr.models.moe_experts`)
+and sums them per token. What an MoE model *is* (its blocks, dispatch forms, balances,
+parameter names) is :mod:`boostlr.specs.moe`'s; its bookkeeping around a step (the balance
+bias, the balance loss's scale, the metrics) is the
+engine's step hook :mod:`boostlr.parallel.moe_steps`. Parallelism is applied from outside.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,75 +37,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from boostlr.config import ModelConfig
-from boostlr.config.validate_moe import moe_dispatch_of
+from boostlr.config.validate_moe import dispatch_of
 from boostlr.models.lowrank import LatentCrossing
 from boostlr.models.moe_dispatch import (
     Dispatch,
     ExpertFn,
-    capacity_of,
     dropless,
     expert_counts,
     with_capacity,
 )
-from boostlr.models.moe_experts import LatentExperts, WholeExperts, is_moe_layer, latent_sigma
-from boostlr.models.params import local
-from boostlr.models.placement import is_saved_buffer
+from boostlr.models.moe_experts import LatentExperts, WholeExperts, latent_sigma
+from boostlr.models.moe_router import Router, TopKRouter
+from boostlr.models.moe_routing import Routing
+from boostlr.models.params import forward_dtype, local
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import balance_spec, capacity_of, is_moe_layer, is_saved_buffer
 
 Latents = dict[str, torch.Tensor | None]
 
-#: The :class:`MoEMLP`'s ``kind`` (:class:`~boostlr.models.mlp.BlockMLP`): only the
-#: single-device runtime runs it (:mod:`boostlr.parallel.strategies`).
+#: The :class:`MoEMLP`'s ``kind`` (:class:`~boostlr.models.mlp.BlockMLP`): the runtimes that
+#: list it in their ``MLP_KINDS`` run it (the single-device block, under dp, ep and pp; BTP,
+#: latent dispatch): :mod:`boostlr.parallel.strategies`.
 MOE = "moe"
-
-
-class Routing(NamedTuple):
-    """A micro-batch's routing: ``idx, weights [tokens, k]``; ``scores [tokens, E]`` are the
-    affinities normalised over the experts (what the balance loss averages)."""
-
-    idx: torch.Tensor
-    weights: torch.Tensor
-    scores: torch.Tensor
-
-
-class Router(nn.Module):
-    """``W_r : d -> E`` on the normed token, top-k, weights summing to 1.
-
-    Logits and scores are computed in at least fp32 whatever the autocast dtype, so a
-    routing decision is not made on bf16 ties. ``expert_bias`` (balance ``bias``) is a
-    persistent buffer: in the state dict and checkpoints, never trained by autograd.
-    ``load`` counts the copies each expert was sent since the last bias update (training
-    forwards only; not saved).
-    """
-
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
-        super().__init__()
-        self.top_k, self.balance = cfg.moe_top_k, cfg.moe_balance
-        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim, device=device))
-        if self.balance == "bias":
-            self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts, device=device))
-        self.register_buffer(
-            "load", torch.zeros(cfg.moe_experts, dtype=torch.int64, device=device), False
-        )
-
-    def forward(self, x: torch.Tensor) -> Routing:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
-        return self.select(logits)
-
-    def select(self, logits: torch.Tensor) -> Routing:
-        """The routing from logits ``[tokens, E]`` (BTP computes them row-parallel)."""
-        dtype = logits.dtype
-        if self.balance == "bias":
-            scores = torch.sigmoid(logits)
-            idx = torch.topk(scores + self.expert_bias.to(dtype), self.top_k, dim=-1).indices
-            normed = scores / scores.sum(-1, keepdim=True)
-        else:
-            normed = torch.softmax(logits, dim=-1)
-            idx = torch.topk(normed, self.top_k, dim=-1).indices
-        picked = normed.gather(-1, idx)
-        return Routing(idx, picked / picked.sum(-1, keepdim=True), normed)
 
 
 class SharedIn(nn.Module):
@@ -159,7 +120,8 @@ class MoEMLP(nn.Module):
     """The MoE MLP: ``forward(x, z_prev) -> (y, latents)``, as the dense MLP's.
 
     After a forward, ``aux_loss`` holds the balance loss (coefficient applied, detached; 0-d,
-    balance ``aux`` only) and ``dropped`` the copies over capacity (0-d int64; capacity only),
+    balance ``aux`` only) and ``dropped`` the copies over capacity, or over expert
+    parallelism's receive bound (0-d int64; ``None`` when dropless at ep 1),
     both device tensors for the metrics: reading them is the caller's host sync.
     ``aux_scale`` is the factor the trainer applies to the LM loss before its backward
     (1 / micro-batches per step); the balance loss's gradient is scaled by it.
@@ -167,7 +129,8 @@ class MoEMLP(nn.Module):
     Under LaX the latents are those of the shared in-factors (``gate_proj``, ``up_proj``);
     ``down_proj`` has no in-factor of its own here, so its latent is ``None``: present, as
     whole-block checkpointing passes every crossing name through, and read by no block (the
-    blocks after an MoE block are MoE blocks, whose ``B_d`` takes no crossing).
+    blocks after an MoE block are MoE blocks, whose ``B_d`` takes no crossing), so a
+    pipeline stage boundary does not carry it (:func:`boostlr.models.shapes.crossing_latents`).
     """
 
     kind = MOE
@@ -175,11 +138,11 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, device: torch.device | str | None = None):
         super().__init__()
         self.experts_n, self.capacity = cfg.moe_experts, cfg.moe_capacity
-        self.aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0
+        self.aux_coef = cfg.moe_aux_coef if balance_spec(cfg.moe_balance).balance_loss else 0.0
         self.bias_rate = cfg.moe_bias_rate
         self.aux_scale = 1.0
-        self.latent = moe_dispatch_of(cfg) == "latent"
-        self.router = Router(cfg, device)
+        self.latent = dispatch_of(cfg).shared_outer
+        self.router: Router = TopKRouter(cfg, device)
         if self.latent:
             self.gate_proj = SharedIn(cfg, layer, device)  # A_g
             self.up_proj = SharedIn(cfg, layer, device)  # A_u
@@ -214,7 +177,9 @@ class MoEMLP(nn.Module):
             payload = torch.cat([zg, zu], dim=-1).reshape(tokens.shape[0], -1)
             z["down_proj"] = None
         else:
-            payload = tokens
+            # In the compute dtype (bf16 under bf16): what the experts' GEMMs read anyway, and
+            # half the bytes an all-to-all sends at ep > 1.
+            payload = tokens.to(forward_dtype(tokens))
         out = self.routed(payload, route)
         if hasattr(self, "shared"):
             out = out + self.shared(payload, None).sum(0)
@@ -227,7 +192,7 @@ class MoEMLP(nn.Module):
         count the load and the statistics, and attach the balance loss's gradient to ``y``."""
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                self.router.load += expert_counts(route.idx, self.experts_n)
+                self.router.load += expert_counts(route.expert, self.experts_n)
         if self.aux_coef:
             aux = self.aux_coef * balance_loss(route, lead, self.experts_n)
             self.aux_loss = aux.detach()
@@ -262,8 +227,8 @@ class MoEMLP(nn.Module):
     def _record(self, route: Routing) -> None:
         """Add one forward's routed copies per expert, dropped copies and balance loss."""
         assert self.stats is not None
-        self.stats[: self.experts_n] += expert_counts(route.idx, self.experts_n)
-        if self.capacity and self.dropped is not None:
+        self.stats[: self.experts_n] += expert_counts(route.expert, self.experts_n)
+        if self.dropped is not None:
             self.stats[-2] += self.dropped
         if self.aux_coef and self.aux_loss is not None:
             self.stats[-1] += self.aux_loss
@@ -276,14 +241,13 @@ class MoEMLP(nn.Module):
         runtime that wraps their weights: BTP sums their gradients over TP)."""
         fn = self.experts if fn is None else fn
         if self.dispatch is not None:
-            return self.dispatch(payload, route.idx, route.weights, self.experts_n, fn)
+            out, self.dropped = self.dispatch(payload, route, self.experts_n, fn)
+            return out
         if not self.capacity:
-            return dropless(payload, route.idx, route.weights, self.experts_n, fn)
-        tokens, k = route.idx.shape
-        cap = capacity_of(tokens, k, self.experts_n, self.capacity)
-        out, self.dropped = with_capacity(
-            payload, route.idx, route.weights, self.experts_n, cap, fn
-        )
+            return dropless(payload, route, self.experts_n, fn)
+        k = route.copies // max(1, route.tokens)  # copies per token (top-k: k)
+        cap = capacity_of(route.tokens, k, self.experts_n, self.capacity)
+        out, self.dropped = with_capacity(payload, route, self.experts_n, cap, fn)
         return out
 
 
@@ -292,8 +256,10 @@ def balance_loss(route: Routing, lead: torch.Size, experts: int) -> torch.Tensor
     ``Σ_i f_i P_i``, with ``f_i = E / (k s) · #(tokens choosing i)`` and ``P_i`` the mean
     normalised score of expert ``i`` over the sequence's ``s`` tokens. 1 when balanced."""
     seq = lead[-1] if len(lead) else 1
-    k = route.idx.shape[-1]
-    chosen = torch.zeros_like(route.scores).scatter_(-1, route.idx, 1.0)
+    k = route.copies / max(1, route.tokens)  # copies per token (top-k: k)
+    chosen = torch.zeros_like(route.scores).index_put_(
+        (route.token, route.expert), route.scores.new_ones(())
+    )
     f = chosen.view(-1, seq, experts).sum(1) * (experts / (k * seq))
     p = route.scores.view(-1, seq, experts).mean(1)
     return (f * p).sum(-1).mean()
@@ -322,7 +288,7 @@ def update_expert_biases(layers: Sequence[MoEMLP], group: dist.ProcessGroup | No
     buffers stay equal without being broadcast. A forward run twice (activation
     recomputation) doubles all counts alike, which leaves every sign unchanged.
     """
-    biased = [layer for layer in layers if layer.router.balance == "bias"]
+    biased = [layer for layer in layers if layer.router.balance.selection_bias]
     if biased:
         # One collective for all layers: [layers, E] int64, the same shape on every rank of
         # the group (its ranks hold the same blocks).

@@ -2,11 +2,12 @@
 
 Every expert weight is one ``[n, d_out, d_in]`` parameter rather than ``n`` modules, for three
 reasons: expert parallelism shards it as a DTensor ``Shard(0)`` over the ep ranks, so
-distributed checkpoints reshard the expert dimension like any other; a fixed-capacity
-dispatch runs all experts as one batched GEMM; and a checkpoint has a handful of keys per
-layer, not a handful per expert. One expert's weights are ``weight[e]``; the math is written
-once with ``matmul``'s broadcasting, so the same code applies one expert to its ``[tokens,
-d_in]`` slice, or all of them to an ``[n, capacity, d_in]`` buffer.
+distributed checkpoints reshard the expert dimension like any other; the experts run as one
+grouped GEMM per factor over the rows sorted by expert (or one batched GEMM over an
+``[n, capacity, d_in]`` buffer), never one expert at a time; and a checkpoint has a handful of
+keys per layer, not a handful per expert. The math is written once
+(:func:`boostlr.hf.moe_grouped.stacked_linear`): grouped over sorted rows with their
+offsets, batched, or broadcast for the shared experts.
 
 Names mirror the dense MLP's (``gate_proj.down`` is A of gate_proj, ``.up`` its B), so the
 checkpoint keys read like the dense model's with an expert dimension in front.
@@ -17,11 +18,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from boostlr.config import ModelConfig
+from boostlr.hf.moe_grouped import run_experts, stacked_linear
 from boostlr.models.lowrank import cola_std
-from boostlr.models.params import local
+from boostlr.models.moe_dispatch import grouped_here, host_max
+from boostlr.models.params import forward_dtype, local
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import ROUTER, is_moe_layer
 
 
 def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
@@ -40,10 +45,11 @@ class StackedFactor(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, d_out, d_in, device=device))
 
-    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
-        """Matrix ``e`` on ``x [..., d_in]``; ``e=None``: all ``n``, batched (``x [n, ..]``)
-        or broadcast (``x [tokens, d_in]`` gives ``[n, tokens, d_out]``)."""
-        return torch.matmul(x, local(self.weight, e).mT)
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        """Every matrix on its rows of ``x [rows, d_in]`` (sorted, ending at ``offs``);
+        ``offs=None``: batched (``x [n, .., d_in]``) or broadcast (``x [tokens, d_in]`` gives
+        ``[n, tokens, d_out]``)."""
+        return stacked_linear(x, local(self.weight), offs)
 
 
 class StackedLinear(nn.Module):
@@ -60,17 +66,18 @@ class StackedLinear(nn.Module):
     ):
         super().__init__()
         self.activation = activation
+        self.widths = (d_in, d_out) if rank is None else (d_in, rank, d_out)
         if rank is None:
             self.weight = nn.Parameter(torch.empty(n, d_out, d_in, device=device))
         else:
             self.down = StackedFactor(n, d_in, rank, device)  # A: d_in -> r
             self.up = StackedFactor(n, rank, d_out, device)  # B: r -> d_out
 
-    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
         if not hasattr(self, "down"):
-            return torch.matmul(x, local(self.weight, e).mT)
-        a = self.down(x, e)
-        return self.up(F.silu(a) if self.activation else a, e)
+            return stacked_linear(x, local(self.weight), offs)
+        a = self.down(x, offs)
+        return self.up(F.silu(a) if self.activation else a, offs)
 
 
 class WholeExperts(nn.Module):
@@ -85,11 +92,17 @@ class WholeExperts(nn.Module):
         self.gate_proj = StackedLinear(n, d, f, rank, act, device)
         self.up_proj = StackedLinear(n, d, f, rank, act, device)
         self.down_proj = StackedLinear(n, f, d, rank, act, device)
+        self.widths = self.gate_proj.widths + self.down_proj.widths
 
-    def forward(self, x: torch.Tensor, e: int | None) -> torch.Tensor:
-        """Expert ``e`` on ``x [tokens, d]`` (or all, see :class:`StackedFactor`): d wide."""
-        h = expert_product(self.gate_proj(x, e), self.up_proj(x, e), self.form)
-        return self.down_proj(h, e)
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        """The experts on ``x [rows, d]`` sorted by expert (``offs``), or on a batched or
+        broadcast ``x`` (see :class:`StackedFactor`): d wide."""
+        grouped = _grouped(self, self.widths)
+        return run_experts(self._compute, x, offs, grouped, host_max)
+
+    def _compute(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        h = expert_product(self.gate_proj(x, offs), self.up_proj(x, offs), self.form)
+        return self.down_proj(h, offs)
 
 
 class _Part(nn.Module):
@@ -108,28 +121,38 @@ class LatentExperts(nn.Module):
         super().__init__()
         r, f = cfg.rank, cfg.moe_ffn_dim
         self.rank, self.form, self.activation = r, cfg.mlp_form, latent_sigma(cfg)
+        self.widths = (r, f)
         self.gate_proj, self.up_proj, self.down_proj = _Part(), _Part(), _Part()
         self.gate_proj.up = StackedFactor(n, r, f, device)  # B_g^e
         self.up_proj.up = StackedFactor(n, r, f, device)  # B_u^e
         self.down_proj.down = StackedFactor(n, f, r, device)  # A_d^e
 
-    def forward(self, z: torch.Tensor, e: int | None) -> torch.Tensor:
-        """Expert ``e`` on ``z [tokens, 2r]`` (or all, see :class:`StackedFactor`): r wide."""
-        zg, zu = z[..., : self.rank], z[..., self.rank :]
-        h = expert_product(self.gate_proj.up(zg, e), self.up_proj.up(zu, e), self.form)
-        a = self.down_proj.down(h, e)
+    def forward(self, z: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        """The experts on ``z [rows, 2r]`` sorted by expert (``offs``), or on a batched or
+        broadcast ``z`` (see :class:`StackedFactor`): r wide."""
+        grouped = _grouped(self, self.widths)
+        return run_experts(self._compute, z, offs, grouped, host_max)
+
+    def _compute(self, z: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        # The halves as their own contiguous rows (the grouped kernel wants aligned strides).
+        zg, zu = z[..., : self.rank].contiguous(), z[..., self.rank :].contiguous()
+        h = expert_product(self.gate_proj.up(zg, offs), self.up_proj.up(zu, offs), self.form)
+        a = self.down_proj.down(h, offs)
         return F.silu(a) if self.activation else a
+
+
+def _grouped(experts: nn.Module, widths: tuple[int, ...]) -> bool:
+    """Whether ``experts`` run grouped: decided by their weights' device and the dtype the
+    forward computes in (the autocast dtype under autocast; no weight is cast to ask)."""
+    weight = next(experts.parameters())
+    weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    return grouped_here(weight.device, forward_dtype(weight), widths)
 
 
 def latent_sigma(cfg: ModelConfig) -> bool:
     """Whether the arch's factors have σ between them: CoLA's SiLU, LaX's σ after its
     crossing; svd has none (``A`` then ``B``, a product of two linear maps)."""
     return arch_spec(cfg.arch).latent_activation
-
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether block ``layer`` has the MoE MLP (the first ``moe_dense_layers`` stay dense)."""
-    return cfg.moe_experts > 0 and layer >= cfg.moe_dense_layers
 
 
 def moe_init_rule(cfg: ModelConfig, name: str) -> float | str | None:
@@ -145,7 +168,7 @@ def moe_init_rule(cfg: ModelConfig, name: str) -> float | str | None:
         return None
     if not is_moe_layer(cfg, int(parts[1])) or ".cross." in name:
         return None
-    if parts[3] == "router":
+    if parts[3] == ROUTER:
         return cfg.init_std
     linear = next((p for p in parts if p.endswith("_proj")), None)
     if linear is None:

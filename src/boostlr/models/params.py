@@ -11,13 +11,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 
-def local(p: Tensor, index: int | None = None) -> Tensor:
+def local(p: Tensor) -> Tensor:
     """This rank's tensor of ``p`` (``p`` itself when it is not a DTensor), as the forward
     uses it: under autocast, its copy in the autocast dtype.
-
-    ``index`` takes one row of the local tensor (a stacked expert) before the cast, so a
-    forward that uses each row on its own keeps one cast copy of each row, not a cast copy of
-    the whole stack per row (each alive until the backward).
 
     Every forward reads its parameters through here, so every parameter is used as a bf16
     copy under bf16 whatever the layout (docs/precision.md): FSDP's mixed precision hands
@@ -26,11 +22,13 @@ def local(p: Tensor, index: int | None = None) -> Tensor:
     optimizer updates; its gradient is accumulated in fp32.
     """
     t = p.to_local() if isinstance(p, DTensor) else p
-    if index is not None:
-        t = t[index]
+    dtype = forward_dtype(t)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def forward_dtype(t: Tensor) -> torch.dtype:
+    """The dtype :func:`local` hands ``t`` to the forward in, without casting it."""
     device = t.device.type
     if t.is_floating_point() and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        if t.dtype != dtype:
-            return t.to(dtype)
-    return t
+        return torch.get_autocast_dtype(device)
+    return t.dtype

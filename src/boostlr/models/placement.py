@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from boostlr.config import ParallelConfig
 from boostlr.models.shapes import ATTN_LINEARS, MLP_LINEARS
+from boostlr.specs.moe import MOE_PARTS
 from boostlr.specs.strategy import BTP, MEGATRON, VANILLA
 
 # Parameter kinds.
@@ -86,17 +87,6 @@ VOCAB_PARAMS = tuple(name for name, kind in _TOP.items() if kind in (EMBEDDING, 
 _BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
 _HOLDER = {**dict.fromkeys(ATTN_LINEARS, "self_attn"), **dict.fromkeys(MLP_LINEARS, "mlp")}
 _WRITES_RESIDUAL = ("o_proj", "down_proj")
-_MOE_PARTS = ("router", "experts", "shared")  # boostlr.models.moe.MoEMLP's own modules
-#: The one buffer a checkpoint holds beside the parameters: an MoE router's balance bias
-#: (``layers.{i}.mlp.router.expert_bias``), whole and equal on every rank.
-BALANCE_BIAS = "router.expert_bias"
-
-
-def is_saved_buffer(name: str) -> bool:
-    """Whether checkpoint tensor ``name`` is a saved buffer, not a parameter."""
-    return name.endswith(BALANCE_BIAS)
-
-
 _LINEAR_PARTS = {
     "down.weight": DOWN,
     "up.weight": UP,
@@ -117,7 +107,7 @@ def param_kind(name: str) -> str | None:
     holder, linear, *tail = parts[2:]
     if holder in _BLOCK_NORMS:
         return BLOCK_NORM if (linear, *tail) == ("weight",) else None
-    if holder == "mlp" and linear in _MOE_PARTS and tail:
+    if holder == "mlp" and linear in MOE_PARTS and tail:
         return MOE
     if _HOLDER.get(linear) != holder or not tail:
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
+from boostlr.specs.arch import arch_spec
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,21 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "up_proj": (d, f),
         "down_proj": (f, d),
     }
+
+
+def crossing_latents(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The previous block's latents that block ``layer`` reads, in :data:`LINEARS` order:
+    LaX's seven, none for an arch without a crossing.
+
+    An MoE block (from ``moe_dense_layers`` on) reads all but ``down_proj``'s: its shared
+    ``B_d`` has no in-factor, and the experts' ``A_d^e`` take no crossing (docs/moe.md). A
+    pipeline stage boundary carries exactly these (:mod:`boostlr.parallel.pipeline`).
+    """
+    if not arch_spec(cfg.arch).crossing:
+        return ()
+    # Whether block ``layer`` is an MoE block (as models.moe_experts.is_moe_layer, torch-free).
+    moe = cfg.moe_experts > 0 and layer >= cfg.moe_dense_layers
+    return tuple(n for n in LINEARS if not (moe and n == GATED_MLP.writes))
 
 
 def block_linear(name: str) -> str | None:

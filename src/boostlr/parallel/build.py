@@ -29,13 +29,13 @@ from boostlr.parallel.data_parallel import apply_data_parallel
 from boostlr.parallel.expert_parallel import (
     as_expert_dtensor,
     expert_rows,
-    is_routed_expert,
     use_expert_parallel,
 )
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.sharding import ShardSpec, shard_box
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.platform import platform_for
+from boostlr.specs.moe import is_routed_expert
 
 
 def build_stages(
@@ -70,7 +70,7 @@ def build_stages(
             last=stage == p.num_stages - 1,
         )
         part = TensorParallelModel(meta, p.strategy_for(cfg.model.arch), ctx)
-        materialize(part, cfg.train.seed, comms, device, draw)
+        materialize(part, cfg.train.seed, comms, device, draw, p.ep_receive_factor)
         stages.append(part)
     mark_phase("materialise")
     if comms.dp.size > 1:
@@ -101,6 +101,7 @@ def materialize(
     comms: MeshComms,
     device: torch.device,
     draw: bool = True,
+    receive_factor: float = 0.0,
 ) -> None:
     """Replace every meta parameter by this rank's shard of its seeded initial value.
 
@@ -130,7 +131,7 @@ def materialize(
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
     zero_meta_buffers(model, device)  # the MoE router's, all zero at the start
     if comms.ep.size > 1:
-        use_expert_parallel(model, comms.ep)
+        use_expert_parallel(model, comms.ep, receive_factor)
 
 
 def _vocab_dtensor(

@@ -1,8 +1,8 @@
 """Autograd-aware tensor-parallel collectives, in the shape of Megatron's mappings.
 
 Every tensor-parallel collective in boostlr goes through this module (docs/design.md §3), and
-so does expert parallelism's variable all-to-all (:func:`exchange_counts`, then
-:func:`all_to_all_single`; docs/moe.md):
+so does expert parallelism's variable all-to-all (the counts first, :func:`gather_counts`
+or :func:`exchange_counts`, then :func:`all_to_all_single`; docs/moe.md):
 
 * each primitive is a conjugate pair: whatever the forward does to the activation, the
   backward does the adjoint to its gradient (all-reduce <-> identity, all-gather <->
@@ -41,6 +41,7 @@ __all__ = [
     "all_reduce_",
     "all_to_all_single",
     "exchange_counts",
+    "gather_counts",
     "copy_to_group",
     "copy_to_group_pending",
     "gather_from_group",
@@ -435,13 +436,38 @@ def exchange_counts(counts: Tensor, comm: GroupComm, tag: str) -> Tensor:
     return out
 
 
+@torch.compiler.disable
+def gather_counts(counts: Tensor, comm: GroupComm, tag: str) -> Tensor:
+    """Every rank's ``counts [size, n]`` (int64): ``[source, size, n]``, the same on all ranks.
+
+    The count half of a variable all-to-all when every rank must know every rank's sends
+    (a receive bound decided alike everywhere, :mod:`boostlr.parallel.ep_bound`): one
+    fixed-shape all-gather, whose output is ``size`` times :func:`exchange_counts`'. Not
+    differentiable. The ledger records the gathered output, as for every all-gather here.
+    """
+    if counts.dim() != 2 or counts.shape[0] != comm.size:
+        raise ValueError(
+            f"[{tag}] counts must be [{comm.size}, n] for group '{comm.name}', got "
+            f"{tuple(counts.shape)}"
+        )
+    if comm.size == 1:
+        return counts.unsqueeze(0)
+    send = counts.contiguous()
+    out = send.new_empty(comm.size * send.numel())
+    _record(comm, "all_gather", out, f"{tag}.counts", comm.ledger.forward_phase)
+    with _collective(comm, "all_gather", f"{tag}.counts", out):
+        _all_gather_flat(out, send.view(-1), group=comm.group)
+    return out.view(comm.size, *send.shape)
+
+
 def all_to_all_single(
     x: Tensor, send: list[int], recv: list[int], comm: GroupComm, tag: str
 ) -> Tensor:
     """Rows ``send[i]`` of ``x [rows, ...]`` to rank ``i``, ``recv[i]`` rows from it, in
     rank order; backward sends the gradients back (splits swapped).
 
-    ``send`` and ``recv`` are host lists, ``recv`` from :func:`exchange_counts`.
+    ``send`` and ``recv`` are host lists, read from the exchanged counts
+    (:func:`gather_counts` or :func:`exchange_counts`).
     """
     if len(send) != comm.size or len(recv) != comm.size or sum(send) != x.shape[0]:
         raise ValueError(

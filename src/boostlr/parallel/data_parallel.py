@@ -21,14 +21,16 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from boostlr._torch_internals import DefaultAllGather, DefaultReduceScatter, in_backward
+from boostlr.models.moe import moe_layers
 from boostlr.parallel.collectives import GroupComm
-from boostlr.parallel.expert_parallel import is_routed_expert
 from boostlr.parallel.mesh import MeshComms
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.platform import fsdp_in_place_collectives
+from boostlr.specs.moe import is_routed_expert
 
 
 def _phase(comm: GroupComm) -> str:
@@ -251,22 +253,78 @@ def apply_data_parallel(
     vocab = (model.embed_tokens, model.lm_head)
     split = part.ctx.vocab_dp_size > 1
     ignored = {m.weight for m in vocab if m is not None} if split else set()
-    # Routed experts at ep > 1: sharded over ep, reduced by reduce_expert_grads (docs/moe.md).
-    experts: set[torch.Tensor] = set()
-    if comms.ep.size > 1:
-        experts = {p for n, p in model.named_parameters() if is_routed_expert(n)}
+    policy = mixed_precision(dtype)  # the same for every unit: no unit casts activations
+    # Routed experts at ep > 1: units of their own over dp_rep inside their blocks (FSDP's
+    # blocks then skip them), or, at dp_rep 1, nothing to shard (docs/moe.md).
+    experts = shard_experts_over_dp(model, comms, reshard, policy)
+    whole: set[torch.Tensor] = set()  # at dp_rep 1: experts neither FSDP's nor replicated
+    if comms.ep.size > 1 and not experts:
+        whole = {p for n, p in model.named_parameters() if is_routed_expert(n)}
     own = [] if split or model.cfg.tie_embeddings else [m for m in vocab if m is not None]
     modules = [*model.layers.values(), *own, part]
-    policy = mixed_precision(dtype)  # the same for every unit: no unit casts activations
     for module in modules:
         fully_shard(
             module,
             mesh=comms.dp_mesh,
             reshard_after_forward=reshard,
             mp_policy=policy,
-            ignored_params=((ignored | experts) if module is part else experts) or None,
+            ignored_params=((ignored | whole) if module is part else whole) or None,
         )
-    set_fsdp_collectives(modules, comms.dp, in_place_collectives(comms.dp.group))
+    in_place = in_place_collectives(comms.dp.group)
+    set_fsdp_collectives(modules, comms.dp, in_place)
+    if experts:
+        set_fsdp_collectives(experts, comms.group("dp_rep"), in_place)
+
+
+def shard_experts_over_dp(
+    model: nn.Module, comms: MeshComms, reshard: bool, policy: MixedPrecisionPolicy
+) -> list[nn.Module]:
+    """Make each MoE layer's routed experts an FSDP unit over ``dp_rep`` (``ep > 1``).
+
+    Each ep rank holds its ``E / ep`` experts (``Shard(0)`` on ``ep``); the ``dp / ep`` ranks
+    of its ``dp_rep`` group hold the same ones. Sharded over dp_rep (FSDP's 2-D path: the
+    ep DTensor is its "model-parallel" dim, as torchtitan shards experts over
+    ``dp_shard_mod_ep``), every rank keeps ``1 / dp`` of the experts' weights, gradients
+    and AdamW state, gathers a layer's ``E / ep`` experts for its forward and backward
+    like any block, and their gradient's reduction over dp_rep is FSDP's bucketed fp32
+    reduce-scatter, overlapped as the blocks' are. The all-to-all's backward has summed the
+    ep group's share already, so the reduce-scatter sums and divides by dp, not by dp_rep
+    (a sum then a division: gloo has no pre-scaled sum). The experts run as one module call
+    per dispatch (one grouped or batched call on all received rows:
+    :func:`boostlr.parallel.expert_parallel.run_received`), so the unit gathers once per
+    forward and reduce-scatters once per backward. Under
+    ``ddp`` mode (``reshard`` false) they stay gathered from forward to backward, as the
+    blocks do. At dp_rep 1 nothing is replicated: no unit (``reduce_expert_grads`` divides).
+    """
+    if comms.ep.size == 1 or comms.group("dp_rep").size == 1:
+        return []
+    units = []
+    for layer in moe_layers(model):
+        experts = layer.experts
+        fully_shard(
+            experts,
+            mesh=comms.dim_mesh("dp_rep"),
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+        )
+        assert isinstance(experts, FSDPModule)
+        experts.set_gradient_divide_factor(float(comms.dp.size))
+        experts.set_force_sum_reduction_for_comms(True)
+        units.append(experts)
+    return units
+
+
+def fsdp_units_by_group(
+    parts: list[TensorParallelModel], comms: MeshComms
+) -> list[tuple[list[FSDPModule], GroupComm]]:
+    """Every FSDP unit of ``parts`` with the group it runs on: the routed experts' units
+    (:func:`shard_experts_over_dp`) on ``dp_rep``, every other unit on ``dp``."""
+    units = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
+    experts = {id(layer.experts) for part in parts for layer in moe_layers(part.model)}
+    rest = [m for m in units if id(m) not in experts]
+    over_rep = [m for m in units if id(m) in experts]
+    out = [(rest, comms.dp)] if rest else []
+    return out + ([(over_rep, comms.group("dp_rep"))] if over_rep else [])
 
 
 def in_place_collectives(group: dist.ProcessGroup | None) -> bool:

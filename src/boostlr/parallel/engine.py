@@ -8,7 +8,7 @@ the loop. One process without a process group runs the plain single-device model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from boostlr.config import RunConfig
-from boostlr.models.moe import MoEMLP, moe_layers
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.expert_parallel import (
     clip_grads_with_norm,
@@ -26,6 +25,7 @@ from boostlr.parallel.expert_parallel import (
 )
 from boostlr.parallel.mesh import MeshComms, build_mesh, single_process_comms
 from boostlr.parallel.pipeline import Pipeline, evaluate_pipeline
+from boostlr.parallel.step_hooks import step_hooks
 from boostlr.parallel.tensor_parallel import TensorParallelModel
 from boostlr.platform import to_device
 
@@ -47,6 +47,9 @@ class ParallelModel:
             if comms.pp.size > 1
             else None
         )
+        # A pipeline splits each micro-batch again and scales each piece's loss by 1/pieces.
+        pieces = cfg.parallel.pp_microbatches if self.pipeline is not None else 1
+        self.hooks = step_hooks(cfg, comms, stages, device, self.accum * pieces)
 
     @classmethod
     def build(
@@ -83,6 +86,20 @@ class ParallelModel:
     def train(self, mode: bool = True) -> None:
         for part in self.stages:
             part.train(mode)
+
+    # ------------------------------------------------------------------ one step
+
+    def begin_step(self, logs: bool) -> None:
+        """Before a step's first forward: the model's parts learn whether it logs (what a
+        row reads is recorded on those steps only)."""
+        for hook in self.hooks:
+            hook.begin_step(logs)
+
+    def after_optimizer_step(self) -> None:
+        """After ``optimizer.step()``: the model's state that follows the step, not the
+        gradient (an MoE router's balance bias), moved alike on every rank."""
+        for hook in self.hooks:
+            hook.after_optimizer_step()
 
     # ------------------------------------------------------------------ one batch
 
@@ -202,110 +219,10 @@ class ParallelModel:
             row["comm_ep_bytes"] = ledger.totals("ep")["bytes"]
         return row
 
-    def moe_layers(self) -> list[MoEMLP]:
-        """This rank's MoE layers, their balance loss's gradient scaled as the LM loss is.
-
-        Each micro-batch's loss is backpropagated divided by ``grad_accum``; the balance loss,
-        whose gradient the layer adds in the backward, takes the same factor, so a step's
-        gradient is that of one batch of all its micro-batches.
-        """
-        layers = [layer for part in self.stages for layer in moe_layers(part.model)]
-        # A pipeline splits each micro-batch again and scales each piece's loss by 1/pieces.
-        pieces = self.cfg.parallel.pp_microbatches if self.pipeline is not None else 1
-        for layer in layers:
-            layer.aux_scale = 1 / (self.accum * pieces)
-        return layers
-
-    def moe_metrics(self, layers: Sequence[MoEMLP]) -> dict[str, float | int]:
-        """The MoE keys of a step row (docs/metrics.md), the same on every rank.
-
-        What ``layers`` recorded since :meth:`MoEMLP.start_stats` goes into one
-        ``[n_layers, E + 2 | forwards, spread, held, aux, bias]`` table, each rank writing
-        its own layers' rows (zeros for the others): summed over dp (the counts), then over
-        pp, so every rank, a stage without an MoE layer too, enters collectives of one
-        shape; then one host copy. Call it on log steps only, on every rank. Empty for a
-        dense model.
-        """
-        m = self.cfg.model
-        if not m.moe_experts:
-            return {}
-        width = m.moe_experts + 2
-        counts = torch.zeros(m.n_layers, width, dtype=torch.float64, device=self.device)
-        extra = torch.zeros(m.n_layers, 5, dtype=torch.float64, device=self.device)
-        for layer in layers:
-            taken = layer.take_stats()
-            if taken is None:
-                continue
-            i, (values, forwards) = layer.layer_index, taken
-            counts[i] = values
-            extra[i, 0], extra[i, 1], extra[i, 2] = forwards, _bias_spread(layer), 1.0
-            extra[i, 3] = float(layer.aux_coef != 0)
-            extra[i, 4] = float(layer.router.balance == "bias")
-        if self.comms.dp.size > 1:
-            dist.all_reduce(counts, group=self.comms.dp.group)
-        table = torch.cat([counts, extra], dim=1)
-        if self.comms.pp.size > 1:
-            dist.all_reduce(table, group=self.comms.pp.group)
-        values = table.tolist()  # the one host read
-        held = [i for i, r in enumerate(values) if r[width + 2]]  # the MoE blocks, in order
-        rows = [values[i] for i in held]
-        if not rows:
-            return {}
-        pieces = self.cfg.parallel.pp_microbatches if self.pipeline is not None else 1
-        return moe_row(
-            held,
-            [r[:width] for r in rows],
-            [round(r[width]) for r in rows],
-            [r[width + 1] for r in rows],
-            micro_batches=self.accum * pieces,
-            dp=self.comms.dp.size,
-            aux=any(r[width + 3] for r in rows),
-            bias=any(r[width + 4] for r in rows),
-        )
-
-
-def _bias_spread(layer: MoEMLP) -> Tensor:
-    """``max - min`` of the layer's balance bias (0 without one): equal on every rank."""
-    bias = getattr(layer.router, "expert_bias", None)
-    if bias is None:
-        return torch.zeros((), device=layer.router.load.device)
-    return (bias.max() - bias.min()).detach()
-
-
-def moe_row(
-    indices: list[int],
-    stats: list[list[float]],
-    forwards: list[int],
-    spreads: list[float],
-    micro_batches: int,
-    dp: int,
-    aux: bool,
-    bias: bool,
-) -> dict[str, float | int]:
-    """The MoE keys from the dp-summed ``[load per expert | dropped | balance loss]`` of each
-    layer (block ``indices``), recorded over ``forwards`` forwards per rank.
-
-    Activation checkpointing's re-forwards double every sum alike: the load ratios do not
-    move, and the dropped copies and the balance loss are rescaled to one forward per
-    micro-batch.
-    """
-    row: dict[str, float | int] = {}
-    loads, dropped, losses = [], 0.0, []
-    for index, values, n in zip(indices, stats, forwards, strict=True):
-        if n == 0:
-            continue
-        load = values[:-2]
-        mean = sum(load) / len(load)
-        loads.append(max(load) / mean if mean else 0.0)
-        row[f"moe_load/{index}"] = loads[-1]
-        dropped += values[-2] * micro_batches / n
-        losses.append(values[-1] / (n * dp))
-    if not loads:
-        return {}
-    row["moe_load_max_over_mean"] = max(loads)
-    row["moe_dropped"] = round(dropped)
-    if aux:
-        row["moe_aux_loss"] = sum(losses) / len(losses)
-    if bias:
-        row["moe_bias_spread"] = max(spreads)
-    return row
+    def log_metrics(self) -> dict[str, float | int]:
+        """The model's own keys of a step row (an MoE model's routing: docs/moe.md), the
+        same on every rank. Call it on log steps only, on every rank (collectives inside)."""
+        row: dict[str, float | int] = {}
+        for hook in self.hooks:
+            row.update(hook.log_metrics())
+        return row

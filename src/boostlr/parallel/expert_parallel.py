@@ -1,8 +1,10 @@
 """Expert parallelism: the routed experts spread over the ``ep`` group (docs/moe.md).
 
 :func:`shard_experts` keeps each ep rank's ``E / ep`` experts as ``Shard(0)`` DTensors and
-gives every MoE layer :func:`dropless_ep` as its dispatch: each routed copy travels to its
-expert's owner by an all-to-all over ``ep`` and its result comes back by the reverse one.
+gives every MoE layer :func:`dropless_ep` (under ``parallel.ep_receive_factor``'s bound) or,
+with a capacity, :func:`~boostlr.parallel.ep_bound.capacity_ep` as its dispatch: each
+routed copy travels to its expert's owner by an all-to-all over ``ep`` and its result comes
+back by the reverse one.
 """
 
 from __future__ import annotations
@@ -13,61 +15,85 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from boostlr.hf.moe_grouped import combine
 from boostlr.models.moe import moe_layers
 from boostlr.models.moe_dispatch import ExpertFn, expert_counts, host_counts
+from boostlr.models.moe_routing import Routing
 from boostlr.parallel.collectives import (
     GroupComm,
-    all_reduce_,
     all_to_all_single,
-    exchange_counts,
+    gather_counts,
 )
+from boostlr.parallel.ep_bound import bounded_order, capacity_ep, receive_cap, receive_quota
 from boostlr.parallel.mesh import MeshComms
+from boostlr.specs.moe import is_routed_expert
 
 
 def dropless_ep(
     payload: torch.Tensor,
-    idx: torch.Tensor,
-    weights: torch.Tensor,
+    route: Routing,
     experts: int,
     fn: ExpertFn,
     comm: GroupComm,
     tag: str = "moe",
-) -> torch.Tensor:
+    receive_factor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``dropless`` (:mod:`boostlr.models.moe_dispatch`) with expert ``e`` on ep rank
-    ``e // (E / ep)`` (``fn`` takes the local index ``e % (E / ep)``): the same sum, computed
-    where the experts live.
+    ``e // (E / ep)``: the same sum, computed where the experts live, and the copies
+    dropped (0-d int64; none without a bound).
 
-    The copies, sorted by expert, are already grouped by owner. The ``[ep, E / ep]`` counts
-    go first (a fixed shape), then the payload; what arrives is grouped by source rank, then
-    expert, and is regrouped by expert for ``fn``. The results go back by the reverse
-    all-to-all, and weighting and summing happen at the token's own rank, as in
-    ``dropless``. Every local expert runs, on an empty slice if it got nothing.
+    The ``[ep, E / ep]`` counts go first (a fixed-shape all-gather: every rank then knows
+    what every rank sends where), then the payload. With ``receive_factor > 0`` no rank
+    receives more than ``ceil(receive_factor · T · k)`` rows: every rank computes the same
+    quotas from the same gathered counts (:mod:`boostlr.parallel.ep_bound`), so the split
+    sizes agree by construction; the copies past a quota are dropped (the map's later
+    copies first: later choices, then later tokens). The copies, sorted by expert, are
+    already grouped by owner; what arrives is grouped by source rank, then expert, and the
+    local experts run on it as one grouped call (:func:`run_received`). The results go back
+    by the reverse all-to-all, and weighting and summing happen at the token's own rank, as
+    in ``dropless``. An expert that got nothing has an empty group (its weight gradient is
+    zero).
     """
-    ep, k = comm.size, idx.shape[1]
+    ep = comm.size
     per = experts // ep
-    order = torch.argsort(idx.reshape(-1), stable=True)
-    token = order // k
-    counts = expert_counts(idx, experts).view(ep, per)
-    incoming = exchange_counts(counts, comm, tag)  # [source, local expert]
-    both = host_counts(torch.cat([counts.reshape(-1), incoming.reshape(-1)]))
+    counts = expert_counts(route.expert, experts)
+    matrix = gather_counts(counts.view(ep, per), comm, tag)  # [source, destination, expert]
+    cap = receive_cap(matrix, receive_factor) if receive_factor else None
+    quota = receive_quota(matrix, cap)
+    mine = quota[comm.rank]
+    incoming = quota[:, comm.rank]  # [source, local expert], on the device
+    # The one device-to-host copy: what this rank sends, and what it receives.
+    both = host_counts(torch.cat([mine.reshape(-1), incoming.reshape(-1)]))
     sent, got = both[: ep * per], both[ep * per :]
     send = [sum(sent[j * per : (j + 1) * per]) for j in range(ep)]
     recv = [sum(got[j * per : (j + 1) * per]) for j in range(ep)]
-    arrived = all_to_all_single(payload[token], send, recv, comm, tag).split(got)
-    # arrived[j * per + e]: source j's copies for local expert e.
-    ran = [fn(torch.cat(arrived[e::per]), e) for e in range(per)]
-    parts = [r.split([got[j * per + e] for j in range(ep)]) for e, r in enumerate(ran)]
-    back = torch.cat([parts[e][j] for j in range(ep) for e in range(per)])
+    if cap is None:
+        order = torch.argsort(route.expert, stable=True)
+    else:
+        order = bounded_order(route.expert, counts, mine.reshape(-1))[: sum(send)]
+    token = route.token[order]
+    arrived = all_to_all_single(payload[token], send, recv, comm, tag)
+    back = run_received(arrived, incoming, fn)
     out = all_to_all_single(back, recv, send, comm, tag)
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    combined = out.new_zeros(payload.shape[0], out.shape[-1])
-    return combined.index_add(0, token, out)
+    combined = combine(out, route.weight[order], token, payload.shape[0])
+    return combined, counts.sum() - mine.sum()
 
 
-def is_routed_expert(name: str) -> bool:
-    """Whether parameter ``name`` (a global name) is a routed expert's stacked weight, the
-    tensors expert parallelism shards (the shared experts' are not)."""
-    return ".mlp.experts." in name
+def run_received(arrived: torch.Tensor, incoming: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
+    """The local experts on the rows that arrived, as one grouped call; the results in
+    arrival order (by source rank, then local expert: what the reverse all-to-all sends).
+
+    ``incoming [ep, E / ep]`` (on the device) counts each source's rows per local expert:
+    the rows are sorted by local expert once and the offsets are their running sums, so
+    nothing here reads the counts back (the one host copy is the all-to-all's sizes).
+    """
+    sources, per = incoming.shape
+    ids = torch.arange(sources * per, device=incoming.device) % per
+    expert = torch.repeat_interleave(ids, incoming.reshape(-1), output_size=arrived.shape[0])
+    order = torch.argsort(expert, stable=True)
+    offs = incoming.sum(0).cumsum(0).to(torch.int32)
+    ran = fn(arrived[order], offs)
+    return ran.new_zeros(ran.shape).index_copy(0, order, ran)
 
 
 def expert_rows(experts: int, ep: GroupComm) -> tuple[int, int]:
@@ -83,13 +109,18 @@ def as_expert_dtensor(shard: torch.Tensor, comms: MeshComms, shape: torch.Size) 
     return DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def use_expert_parallel(model: nn.Module, ep: GroupComm) -> None:
-    """Give every MoE layer in ``model`` the all-to-all dispatch over ``ep``."""
+def use_expert_parallel(model: nn.Module, ep: GroupComm, receive_factor: float = 0.0) -> None:
+    """Give every MoE layer in ``model`` the all-to-all dispatch over ``ep``: the capacity
+    one (fixed shapes) under ``model.moe_capacity``, else dropless, bounded by
+    ``receive_factor`` (``parallel.ep_receive_factor``; 0: unbounded)."""
     for layer in moe_layers(model):
-        layer.dispatch = functools.partial(dropless_ep, comm=ep)
+        if layer.capacity:
+            layer.dispatch = functools.partial(capacity_ep, comm=ep, factor=layer.capacity)
+        else:
+            layer.dispatch = functools.partial(dropless_ep, comm=ep, receive_factor=receive_factor)
 
 
-def shard_experts(model: nn.Module, comms: MeshComms) -> None:
+def shard_experts(model: nn.Module, comms: MeshComms, receive_factor: float = 0.0) -> None:
     """Keep this ep rank's ``E / ep`` routed experts of every MoE layer in ``model``, as
     DTensors ``Shard(0)`` on the ``ep`` sub-mesh, and send the layers' copies to them.
 
@@ -106,7 +137,7 @@ def shard_experts(model: nn.Module, comms: MeshComms) -> None:
             path, _, attr = name.rpartition(".")
             owner = layer.experts.get_submodule(path) if path else layer.experts
             setattr(owner, attr, nn.Parameter(value, requires_grad=param.requires_grad))
-    use_expert_parallel(model, ep)
+    use_expert_parallel(model, ep, receive_factor)
 
 
 @torch.no_grad()
@@ -114,18 +145,18 @@ def reduce_expert_grads(model: nn.Module, comms: MeshComms) -> None:
     """Make each expert shard's gradient the dp mean, as FSDP makes the others'.
 
     The all-to-all's backward has already summed the ep group's contributions into the
-    shard's owner; what is left is the sum over the shard's replicas (``dp_rep``: one
-    all-reduce, in the ledger) and the division by dp. Call once per step, after the last
-    backward and before clipping.
+    shard's owner. Over ``dp_rep > 1`` the experts are FSDP units of their own
+    (:func:`boostlr.parallel.data_parallel.shard_experts_over_dp`): their reduce-scatter sums
+    the replicas and divides by dp, and nothing is left here. At ``dp_rep = 1`` (``ep = dp``)
+    the ep group is the whole dp group: only the division by dp is left, no collective.
+    Call once per step, after the last backward and before clipping.
     """
-    if comms.ep.size == 1:
+    if comms.ep.size == 1 or comms.group("dp_rep").size > 1:
         return
-    rep, dp = comms.group("dp_rep"), comms.dp.size
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # a few stacked weights per layer
         if is_routed_expert(name) and param.grad is not None:
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            all_reduce_(grad, rep, "expert_grads")
-            grad.div_(dp)
+            grad.div_(comms.dp.size)
 
 
 def _by_mesh(tensors: list[torch.Tensor]) -> list[list[int]]:

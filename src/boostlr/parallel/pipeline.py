@@ -4,9 +4,11 @@ Layers are split evenly into stages: the embedding on the first, final norm + he
 last, whose forward ends in the loss itself (the fused head loss, :mod:`boostlr.parallel.head_loss`,
 under ``train.fused_loss``): no stage outputs logits and the schedule keeps no outputs. A stage
 boundary carries the residual (BTP: this rank's ``[mb, s, d/t]`` slice; Megatron/vanilla:
-the replicated ``[mb, s, d]``) plus, for LaX, the seven latents in ``LATENT_NAMES`` order,
-each in the dtype :func:`~boostlr.parallel.tensor_parallel.boundary_dtypes` declares: the
-stage casts its outputs to it, and the receive buffers here are allocated in it.
+the replicated ``[mb, s, d]``) plus, for LaX, the latents the next block reads
+(:func:`~boostlr.models.shapes.crossing_latents`: seven, or six into an MoE block, whose
+``B_d`` takes no crossing), each in the dtype
+:func:`~boostlr.parallel.tensor_parallel.boundary_dtypes` declares: the stage casts its
+outputs to it, and the receive buffers here are allocated in it.
 """
 
 from __future__ import annotations
@@ -23,42 +25,48 @@ from torch.distributed.pipelining import PipelineStage
 
 from boostlr._torch_internals import stage_backward, wrapped_p2p_waits
 from boostlr.config import RunConfig
-from boostlr.models.placement import stage_ids
+from boostlr.models.placement import stage_ids, stage_layers
+from boostlr.models.shapes import crossing_latents
 from boostlr.parallel.collectives import GroupComm
 from boostlr.parallel.context import compute_dtype
-from boostlr.parallel.tensor_parallel import (
-    LATENT_NAMES,
-    TensorParallelModel,
-    boundary_dtypes,
-)
-from boostlr.specs.arch import arch_spec
+from boostlr.parallel.tensor_parallel import TensorParallelModel, boundary_dtypes
 from boostlr.specs.schedule import schedule_spec
 from boostlr.specs.strategy import spec_or_none
 
 META = torch.device("meta")
 
 
-def boundary_shapes(cfg: RunConfig, micro: int, tp: int) -> list[torch.Size]:
-    """Shapes of the tensors one stage hands to the next, for one pipeline micro-batch."""
+def boundary_shapes(cfg: RunConfig, micro: int, tp: int, layer: int) -> list[torch.Size]:
+    """Shapes of the tensors one stage hands to the next, whose first block is ``layer``,
+    for one pipeline micro-batch: the residual, then the latents that block reads."""
     m, s = cfg.model, cfg.data.seq_len
     spec = spec_or_none(cfg.parallel.strategy_for(m.arch))
     d = spec.residual_width(m.dim, tp) if spec else m.dim
-    shapes = [torch.Size((micro, s, d))]
-    if arch_spec(m.arch).crossing:
-        shapes += [torch.Size((micro, s, m.rank))] * len(LATENT_NAMES)
-    return shapes
+    latent = (micro, s, m.rank)
+    return [torch.Size((micro, s, d))] + [torch.Size(latent) for _ in crossing_latents(m, layer)]
 
 
 def boundary_buffers(
-    cfg: RunConfig, micro: int, tp: int, device: torch.device, requires_grad: bool = False
+    cfg: RunConfig,
+    micro: int,
+    tp: int,
+    layer: int,
+    device: torch.device,
+    requires_grad: bool = False,
 ) -> tuple[Tensor, ...]:
-    """Zeroed tensors shaped and typed as what crosses a stage boundary (the declaration of
-    :func:`boundary_shapes` and :func:`~boostlr.parallel.tensor_parallel.boundary_dtypes`)."""
-    dtypes = boundary_dtypes(cfg.model.arch, compute_dtype(cfg.train.dtype))
+    """Zeroed tensors shaped and typed as what crosses the stage boundary into block
+    ``layer`` (the declaration of :func:`boundary_shapes` and
+    :func:`~boostlr.parallel.tensor_parallel.boundary_dtypes`)."""
+    dtypes = boundary_dtypes(cfg.model, compute_dtype(cfg.train.dtype), layer)
     return tuple(
         torch.zeros(shape, dtype=dtype, device=device, requires_grad=requires_grad)
-        for shape, dtype in zip(boundary_shapes(cfg, micro, tp), dtypes, strict=True)
+        for shape, dtype in zip(boundary_shapes(cfg, micro, tp, layer), dtypes, strict=True)
     )
+
+
+def first_layer(cfg: RunConfig, stage: int) -> int:
+    """The first block of pipeline stage ``stage`` (what its boundary carries depends on it)."""
+    return stage_layers(cfg.model.n_layers, cfg.parallel.num_stages, stage).start
 
 
 class _RecordGradSend(torch.autograd.Function):
@@ -208,11 +216,13 @@ class Pipeline:
         if sid == 0:
             return (torch.zeros(self.micro, self.seq_len, dtype=torch.long, device=META),)
         # Received activations need gradients: the stage sends their grads back.
-        return boundary_buffers(self.cfg, self.micro, self.tp, META, requires_grad=True)
+        layer = first_layer(self.cfg, sid)
+        return boundary_buffers(self.cfg, self.micro, self.tp, layer, META, requires_grad=True)
 
     def _example_outputs(self, sid: int) -> tuple[Tensor, ...]:
         if sid < self.num_stages - 1:  # requires_grad: the next stage sends their grads
-            return boundary_buffers(self.cfg, self.micro, self.tp, META, requires_grad=True)
+            layer = first_layer(self.cfg, sid + 1)
+            return boundary_buffers(self.cfg, self.micro, self.tp, layer, META, requires_grad=True)
         # The last stage's forward ends in its micro-batch's mean loss (it stays on the rank:
         # the schedule's loss function takes it, nothing receives it).
         return (torch.zeros((), dtype=torch.float32, device=META),)
@@ -272,7 +282,8 @@ def evaluate_pipeline(
         elif sid - 1 in by_id:
             args = out
         else:
-            args = boundary_buffers(cfg, inputs.shape[0], tp, inputs.device)
+            layer = first_layer(cfg, sid)
+            args = boundary_buffers(cfg, inputs.shape[0], tp, layer, inputs.device)
             for t in args:
                 dist.recv(t, group_src=(sid - 1) % pp.size, group=pp.group)
         if sid == num_stages - 1:  # the last stage's forward ends in the loss

@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from boostlr.config import ModelConfig
 from boostlr.models.llama import LlamaModel, rope_tables
 from boostlr.models.params import local
 from boostlr.models.placement import shard_dim
+from boostlr.models.shapes import crossing_latents
 from boostlr.parallel.compile import compiled
 from boostlr.parallel.context import TPContext, wire
 from boostlr.parallel.head_loss import head_cross_entropy
@@ -28,18 +30,20 @@ LATENT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 RESIDUAL_DTYPE = torch.float32
 
 
-def boundary_dtypes(arch: str, dtype: torch.dtype) -> list[torch.dtype]:
-    """What crosses a pipeline stage boundary, in :meth:`TensorParallelModel.forward`'s order.
+def boundary_dtypes(cfg: ModelConfig, dtype: torch.dtype, layer: int) -> list[torch.dtype]:
+    """What crosses the pipeline stage boundary into block ``layer``, in
+    :meth:`TensorParallelModel.forward`'s order.
 
-    The residual stays fp32 (docs/precision.md); LaX's latents travel in the compute dtype
-    ``dtype``: the next block only uses them as the input of its gate's GEMM, which rounds
-    them to that dtype anyway, so one or two stages compute the same numbers. The sender
-    (:func:`to_boundary`) and the receive buffers (:mod:`boostlr.parallel.pipeline`) both
-    follow this list: a send and its receive must agree on dtype and shape (on NCCL a
-    mismatch is not an error: it hangs or delivers garbage).
+    The residual stays fp32 (docs/precision.md); LaX's latents that block reads
+    (:func:`~boostlr.models.shapes.crossing_latents`: an MoE block takes no ``down_proj``
+    latent) travel in the compute dtype ``dtype``: the next block only uses them as the input
+    of its gate's GEMM, which rounds them to that dtype anyway, so one or two stages compute
+    the same numbers. The sender (:func:`to_boundary`) and the receive buffers
+    (:mod:`boostlr.parallel.pipeline`) both follow this list: a send and its receive must
+    agree on dtype and shape (on NCCL a mismatch is not an error: it hangs or delivers
+    garbage).
     """
-    crossing = arch_spec(arch).crossing
-    return [RESIDUAL_DTYPE] + ([dtype] * len(LATENT_NAMES) if crossing else [])
+    return [RESIDUAL_DTYPE] + [dtype] * len(crossing_latents(cfg, layer))
 
 
 def to_boundary(outputs: tuple[Tensor, ...], dtypes: list[torch.dtype]) -> tuple[Tensor, ...]:
@@ -74,16 +78,20 @@ class TensorParallelModel(nn.Module):
         self.crossing = arch_spec(self.cfg.arch).crossing
         forward = self.strategy.block_forward
         self._block_forward = compiled(forward) if ctx.compile else forward
+        held = [int(i) for i in model.layers]
+        # The blocks around this stage's boundaries: the first it runs, the next stage's first.
+        self._first_layer = min(held, default=0)
+        self._next_layer = max(held, default=-1) + 1
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, *inputs: Tensor, targets: Tensor | None = None) -> Tensor | tuple:
         """Stage outputs; with ``targets`` (a whole model) the mean loss.
 
-        The first stage takes tokens, a later one the residual (plus LaX's latents in
-        :data:`LATENT_NAMES` order); the last stage returns this rank's logits, or with
-        ``targets`` its loss (how a pipeline's last stage runs: the head's logits never leave
-        it), an earlier one ``(x, *latents)``.
+        The first stage takes tokens, a later one the residual (plus the LaX latents its first
+        block reads, :func:`~boostlr.models.shapes.crossing_latents`); the last stage returns
+        this rank's logits, or with ``targets`` its loss (how a pipeline's last stage runs:
+        the head's logits never leave it), an earlier one ``(x, *latents)``.
         """
         s, ctx = self.strategy, self.ctx
         if self.model.first:
@@ -94,14 +102,17 @@ class TensorParallelModel(nn.Module):
             z = None
         else:
             x, *zs = inputs
-            z = dict(zip(LATENT_NAMES, zs, strict=True)) if zs else None
+            received = crossing_latents(self.cfg, self._first_layer)
+            z = dict(zip(received, zs, strict=True)) if zs else None
         rope = rope_tables(self.cfg, x.shape[1], device=x.device)
         for index, block in self.model.layers.items():
             with torch.profiler.record_function(f"block.{index}"):
                 x, z = block(x, rope, z, impl=self._block_impl)
         if not self.model.last:
-            outputs = (x, *(z[n] for n in LATENT_NAMES)) if self.crossing else (x,)
-            sent = to_boundary(outputs, boundary_dtypes(self.cfg.arch, ctx.dtype))
+            # The latents the next stage's first block reads (not an MoE block's down_proj).
+            sent_names = crossing_latents(self.cfg, self._next_layer)
+            outputs = (x, *(z[n] for n in sent_names)) if self.crossing else (x,)
+            sent = to_boundary(outputs, boundary_dtypes(self.cfg, ctx.dtype, self._next_layer))
             return sent if self.crossing else sent[0]
         h = s.head_input(self.model, x, ctx)
         return self.model.lm_head(h, impl=lambda lm_head, h_: self._head(lm_head, h_, targets))
@@ -142,7 +153,8 @@ class TensorParallelModel(nn.Module):
             out, z = forward(block, x_, rope, zp, ctx)
             return (out, *(z[n] for n in names))
 
-        zs = tuple(z_prev[n] for n in names) if z_prev else ()
+        # A latent no block reads is None (an MoE block's down_proj) or absent (not received).
+        zs = tuple(z_prev.get(n) for n in names) if z_prev else ()
         out, *z_out = ctx.checkpointed(run, x, *zs)
         return out, (dict(zip(names, z_out, strict=True)) if names else None)
 

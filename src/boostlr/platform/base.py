@@ -174,6 +174,15 @@ class Platform(ABC):
     def region_timer(self) -> WallTimer:
         """The timer for regions of work on this kind."""
 
+    # ------------------------------------------------------------------ kernels
+
+    @abstractmethod
+    def grouped_mm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """torch's grouped GEMM (``torch.nn.functional.grouped_mm``) runs on ``device`` in
+        ``dtype`` without reading its offsets back to the host: the MoE experts run grouped
+        there, and padded elsewhere (:mod:`boostlr.hf.moe_grouped`). Decided once per
+        device and dtype."""
+
     # ------------------------------------------------------------------ copies, generators
 
     @abstractmethod

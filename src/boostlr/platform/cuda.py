@@ -6,6 +6,7 @@ caching allocator's, and batches are copied from pinned memory on a side stream.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -79,6 +80,18 @@ class StreamLane(CopyLane):
         return tensors
 
 
+# Compute capability majors of torch's grouped GEMM kernel (``_scaled_mm_allowed_device``
+# with sm90 and sm100).
+GROUPED_MM_MAJORS = (9, 10)
+
+
+@functools.cache
+def _grouped_capability(index: int | None) -> bool:
+    """Whether GPU ``index`` (``None``: the current one) has the grouped GEMM kernel; asked
+    once per GPU."""
+    return torch.cuda.get_device_capability(index)[0] in GROUPED_MM_MAJORS
+
+
 class CudaPlatform(Platform):
     """A CUDA rank (NCCL)."""
 
@@ -129,6 +142,13 @@ class CudaPlatform(Platform):
 
     def can_pair(self) -> bool:
         return torch.cuda.device_count() >= 2
+
+    def grouped_mm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """torch's CUDA grouped GEMM has its own kernel (no host read) for bf16 on compute
+        capability 9.x and 10.x only (``_grouped_mm_cuda``'s fast path, torch 2.11 and
+        2.13); elsewhere (an A100's 8.0, fp32) it copies the offsets to the host and loops
+        over the groups, so boostlr runs the experts padded instead."""
+        return dtype == torch.bfloat16 and _grouped_capability(device.index)
 
     def accelerator_name(self, device: torch.device) -> str | None:
         return torch.cuda.get_device_name(device)

@@ -23,6 +23,8 @@ from boostlr.platform.timing import WallTimer
 HOST = "cpu"
 # Collectives of host tensors: CPU training, and the checkpoint group beside NCCL on GPUs.
 HOST_BACKEND = "gloo"
+# The dtypes of torch's CPU grouped GEMM.
+HOST_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class HostPlatform(Platform):
@@ -93,6 +95,11 @@ class HostPlatform(Platform):
 
     def region_timer(self) -> WallTimer:
         return WallTimer()
+
+    def grouped_mm_runs(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """The CPU kernel takes fp32, bf16 and fp16 (not float64); its offsets are on the host
+        already."""
+        return dtype in HOST_GROUPED_DTYPES
 
     def copy_lane(self, device: torch.device) -> CopyLane:
         return CopyLane()

@@ -400,3 +400,30 @@ def print_moe_rows(rows: list[Prediction], hw: HardwareProfile, title: str) -> N
         )
     console = Console()
     Console(width=max(console.width, 160)).print(table)
+    for r in rows:
+        line = receive_bound_line(r, hw)
+        if line:
+            print(line)
+
+
+def receive_bound_line(r: Prediction, hw: HardwareProfile) -> str | None:
+    """At ep > 1: the most copies a rank's experts run on, and the worst rank's memory then
+    (docs/moe.md, "A bound on what a rank receives"); ``None`` at ep 1."""
+    moe = r.moe or {}
+    bound = moe.get("receive") or {}
+    if int(moe.get("ep", 1)) <= 1 or not bound:
+        return None
+    rows, balanced = int(bound["rows"]), int(bound["balanced_rows"])
+    if bound["factor"] is None:
+        why = "model.moe_capacity"
+    elif bound["factor"]:
+        why = f"parallel.ep_receive_factor {bound['factor']:g}"
+    else:
+        why = "no bound (parallel.ep_receive_factor 0): every copy to one rank"
+    gb = bound["memory_gb_at_bound"]
+    return (
+        f"{r.arch} {moe.get('dispatch')}: a rank receives at most {rows:,} routed copies per "
+        f"MoE layer and micro-batch ({rows / balanced:.2f}x the balanced {balanced:,}; {why}); "
+        f"its memory then {gb:.1f}/{_gb(hw.memory)} GB: "
+        f"{'fits' if bound['fits_at_bound'] else 'does NOT fit'}"
+    )

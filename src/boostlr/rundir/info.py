@@ -20,11 +20,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from boostlr.config import ModelConfig
 from boostlr.errors import CheckpointError
-from boostlr.models.placement import is_saved_buffer
 from boostlr.rundir.checkpoint import sha256_of
 from boostlr.rundir.layout import META_FILE, STEP_DIR, checkpoints_dir
 from boostlr.rundir.tensors import ModelTensors
 from boostlr.specs.arch import is_lowrank
+from boostlr.specs.moe import is_saved_buffer
 
 _EARLIER = "use an earlier checkpoint"
 

@@ -1,12 +1,13 @@
 """The routing ``plan --trace`` assumes for an MoE model: balanced.
 
-Dropless dispatch sizes each expert's slice (and, under expert parallelism, each all-to-all
-chunk) from counts read back to the host (:func:`boostlr.models.moe_dispatch.host_counts`,
-the layer's one device-to-host copy). A fake tensor has no values to read, so while a rank
-is traced that read is answered here, and only here: every rank sends each expert
+Expert parallelism sizes each all-to-all chunk, and the padded experts their buffer, from
+counts read back to the host (:func:`boostlr.models.moe_dispatch.host_counts`). The traced
+experts run padded (the grouped GEMM's fake-tensor function takes bf16 only). A fake
+tensor has no values to read, so while a rank is traced that read is answered here, and
+only here: every rank sends each expert
 ``T·k / E`` of its ``T·k`` routed copies (the remainder to the first experts) and receives
-as many as it sends. The model's own code path is unchanged: only the function the layer
-calls for its counts is swapped, for the trace's duration.
+as many as it sends. Only the function the layer calls for its counts, and the experts'
+choice of the grouped form, are swapped, for the trace's duration.
 
 Under that assumption the trace's ep traffic is the plan's exactly; a real run's differs per
 rank with its routing (the combine's input is what a rank received) but not summed over an
@@ -21,10 +22,13 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from boostlr.config import RunConfig
+from boostlr.specs.moe import is_moe
 
 #: Where the layer's count read is looked up (the single-device dropless dispatch, and the
 #: expert-parallel one, which imports it by name).
 HOST_COUNTS = ("boostlr.models.moe_dispatch", "boostlr.parallel.expert_parallel")
+#: Where the experts look up whether they run grouped.
+GROUPED_CHOICE = "boostlr.models.moe_experts"
 ASSUMPTION = (
     "MoE traced under balanced routing: each expert gets T·k/E of every rank's routed "
     "copies (fake tensors have no routing to read); a real run's ep bytes per rank vary "
@@ -42,7 +46,7 @@ def balanced_counts(copies: int, experts: int) -> list[int]:
 def balanced_routing(cfg: RunConfig) -> Iterator[None]:
     """While inside, MoE layers read balanced counts instead of their routing's."""
     m = cfg.model
-    if m.moe_experts == 0:
+    if not is_moe(m):
         yield
         return
     import importlib
@@ -52,10 +56,12 @@ def balanced_routing(cfg: RunConfig) -> Iterator[None]:
 
     def host_counts(counts: torch.Tensor) -> list[int]:
         n = counts.numel()
-        if n == len(sent):  # dropless: copies per expert
+        if n == len(sent):  # the padded experts at ep 1: copies per expert
             return list(sent)
         if n == 2 * len(sent):  # dropless_ep: sent per (rank, expert), then received
             return sent + sent
+        if len(sent) % n == 0:  # the padded experts at ep > 1: received per local expert
+            return balanced_counts(copies, n)
         raise ValueError(f"balanced routing: unexpected count read of {n} entries")
 
     with ExitStack() as stack:
@@ -64,4 +70,10 @@ def balanced_routing(cfg: RunConfig) -> Iterator[None]:
             saved = module.host_counts
             module.host_counts = host_counts
             stack.callback(setattr, module, "host_counts", saved)
+        # The grouped GEMM's fake-tensor (meta) function takes bf16 only: the traced experts
+        # run padded, over the balanced counts, whose tensors are the grouped form's rows.
+        experts = importlib.import_module(GROUPED_CHOICE)
+        chosen = experts.grouped_here
+        experts.grouped_here = lambda *_: False
+        stack.callback(setattr, experts, "grouped_here", chosen)
         yield

@@ -26,13 +26,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 
 from boostlr._torch_internals import unflatten_mesh
 from boostlr.config import RunConfig
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.collectives import CommLedger
-from boostlr.parallel.data_parallel import set_fsdp_collectives
+from boostlr.parallel.data_parallel import fsdp_units_by_group, set_fsdp_collectives
 from boostlr.parallel.engine import ParallelModel
 from boostlr.parallel.mesh import (
     EXPERT_DIMS,
@@ -103,10 +102,10 @@ def mesh_on_default_group(cfg: RunConfig, device_type: str = "cpu") -> MeshComms
 
 
 def torch_fsdp_collectives(stages: list[TensorParallelModel], comms: MeshComms) -> None:
-    """Every FSDP unit runs torch's own (NCCL-style) collectives, still recorded."""
-    units = [m for part in stages for m in part.modules() if isinstance(m, FSDPModule)]
-    if units:
-        set_fsdp_collectives(units, comms.dp, in_place=False)
+    """Every FSDP unit runs torch's own (NCCL-style) collectives, still recorded (on its own
+    group: the routed experts' units on dp_rep)."""
+    for units, comm in fsdp_units_by_group(stages, comms):
+        set_fsdp_collectives(units, comm, in_place=False)
 
 
 def _records(ledger: CommLedger) -> list[dict]:

@@ -17,7 +17,6 @@ import torch
 from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
-from boostlr.models.moe import update_expert_biases
 from boostlr.rundir.layout import METRICS_FILE
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
@@ -119,8 +118,6 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str 
         progress.print(f"resumed {state.run_dir} at step {start}")
     loss_value, val_loss, finished, stopped = float("nan"), None, False, None
     window = Window(state.device, start + 1)
-    moe = model.moe_layers()
-    dp = model.comms.dp.group if model.comms.dp.size > 1 else None
     try:
         for step in range(start + 1, t.steps + 1):
             profiler.before_step(step)
@@ -130,9 +127,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str 
             optimizer.zero_grad(set_to_none=True)
             last = step == t.steps
             logs = step % t.log_every == 0 or last or step == start + 1
-            if logs:  # only a step that logs records its routing (no work on quiet steps)
-                for layer in moe:
-                    layer.start_stats()
+            model.begin_step(logs)  # what a row reads is recorded on log steps only
             total = torch.zeros((), device=state.device)
             crash_point("forward", state.rank, step)  # a pipeline's warm-up starts here
             for _ in range(t.grad_accum):
@@ -146,8 +141,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str 
                 window.add(step, loss, model.clip_gradients(t.grad_clip))
             with torch.profiler.record_function("optimizer.step"):
                 optimizer.step()
-            if moe:  # the loads summed over dp: every rank moves every bias alike
-                update_expert_biases(moe, group=dp)
+            model.after_optimizer_step()  # state that follows the step, alike on all ranks
             phases.mark("step")
             crash_point("step", state.rank, step)
             stop = state.stop.check(state.writer.save_seconds) if state.stop else 0
@@ -155,7 +149,7 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str 
             row = None
             if logs:
                 row = metrics_row(state, step, lr, window, phases)
-                row.update(model.moe_metrics(moe))  # every rank: a dp all-reduce
+                row.update(model.log_metrics())  # every rank: collectives inside
                 if step == start + 1:
                     row.update(build_times(model.stages, state.writer.group))
                 loss_value = float(row["loss"])
