@@ -335,25 +335,25 @@ def _train_hot(rank: int, world: int, data: str, run_dir: str, overrides: dict) 
     from test_train import tiny_run_config
 
     from boostlr.config import resolve
-    from boostlr.models.moe import Router
+    from boostlr.models.moe_router import TopKRouter
     from boostlr.train import run as trainer
 
     cfg = tiny_run_config(Path(data), **overrides)
     datasets = trainer.open_datasets(cfg)
     cfg = resolve(cfg, datasets[0])
-    select = Router.select
+    select = TopKRouter.select
 
     def hot(self, logits):
         offset = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
         offset[:2] = 30.0  # experts 0 and 1 win every selection
         return select(self, logits + offset)
 
-    Router.select = hot
+    TopKRouter.select = hot
     try:
         with _Received() as seen:
             trainer._train_rank(cfg, Path(run_dir), None, False, torch.device("cpu"), datasets)
     finally:
-        Router.select = select
+        TopKRouter.select = select
     tokens = cfg.train.batch_size * cfg.data.seq_len
     return {"received": seen.rows, "quotas": seen.quotas, "tokens": tokens}
 
