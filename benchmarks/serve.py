@@ -18,7 +18,7 @@ torch.compile, whose CPU compile takes minutes per model). Models are measured o
 another (one engine at a time, as a server runs), so load on the machine from other
 processes shifts them; ``uptime`` is printed before and after.
 
-    /path/to/vllm-venv/bin/python benchmarks/serve.py            # d 1024, 4 blocks, batch 16
+    /path/to/vllm-venv/bin/python benchmarks/serve.py            # d 512, 4 blocks, batch 16
     /path/to/vllm-venv/bin/python benchmarks/serve.py --quick    # tiny: a check, not a result
 """
 
@@ -44,7 +44,7 @@ MODELS: list[tuple[str, str, dict[str, str]]] = [
     ("dense MoE", "full", {"model.moe_dispatch": "hidden"}),
     ("CoLA-MoE latent", "cola", {"model.moe_dispatch": "latent"}),
 ]
-FULL = dict(dim=1024, layers=4, heads=16, ffn=2736, vocab=4096, experts=8, top_k=2, ffn_e=688)
+FULL = dict(dim=512, layers=4, heads=8, ffn=1376, vocab=4096, experts=8, top_k=2, ffn_e=344)
 FULL |= dict(batch=16, prompt_len=32, new_tokens=32, repeats=2)
 QUICK = dict(dim=128, layers=2, heads=4, ffn=352, vocab=1024, experts=4, top_k=2, ffn_e=64)
 QUICK |= dict(batch=4, prompt_len=8, new_tokens=8, repeats=1)
