@@ -21,6 +21,31 @@ LAX_GATES = ("factored", "full")
 MOE_DISPATCHES = ("latent", "hidden")
 MOE_BALANCES = ("bias", "aux")
 
+#: Tensor-parallel plan of a low-rank model (transformers' ``base_model_tp_plan``, which vLLM
+#: reads too). A block linear ``B h(A x)`` whose output feeds heads or the MLP's ``f`` splits
+#: B's output (``colwise``) with A replicated; one whose input is a head or ``f`` slice splits
+#: A's input (``rowwise``, the all-reduce carries ``[T, r]``) with B replicated. Unlisted
+#: modules (the other factors, norms, LaX crossings, routers, experts) are replicated.
+LOWRANK_TP_PLAN = {
+    "layers.*.self_attn.q_proj.up": "colwise",
+    "layers.*.self_attn.k_proj.up": "colwise",
+    "layers.*.self_attn.v_proj.up": "colwise",
+    "layers.*.self_attn.o_proj.down": "rowwise",
+    "layers.*.mlp.gate_proj.up": "colwise",
+    "layers.*.mlp.up_proj.up": "colwise",
+    "layers.*.mlp.down_proj.down": "rowwise",
+}
+#: Dense linears (arch ``full``, MoE models only): LLaMA's Megatron plan.
+DENSE_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
 
 class BoostlrConfig(PretrainedConfig):
     """LLaMA-2 shape fields (HF names) plus the low-rank ones.
@@ -47,6 +72,7 @@ class BoostlrConfig(PretrainedConfig):
     latent_activation = False
     crossing = False
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
+    base_model_tp_plan = LOWRANK_TP_PLAN
 
     def __init__(
         self,
@@ -181,6 +207,7 @@ class BoostlrFullConfig(BoostlrConfig):
     model_type = "boostlr_full"
     arch = "full"
     lowrank = False
+    base_model_tp_plan = DENSE_TP_PLAN
 
     def __init__(self, **kwargs: Any):
         kwargs.setdefault("rank", None)

@@ -49,6 +49,13 @@ def model_class(m: ModelConfig) -> tuple[str, str]:
     return MODELING_MODULE, f"{prefix}ForCausalLM"
 
 
+def base_model_class(m: ModelConfig) -> str:
+    """The remote-code base model (no head: ``AutoModel``, what vLLM's Transformers backend
+    builds): ``BoostlrColaModel``, or ``BoostlrColaMoeModel`` beside the MoE causal LM."""
+    prefix = class_prefix(m.arch)
+    return f"{prefix}MoeModel" if m.moe_experts else f"{prefix}Model"
+
+
 def config_class(m: ModelConfig) -> str:
     """The remote-code config class: an MoE model of a low-rank arch has its own
     (``BoostlrColaMoeConfig``), so transformers never maps it to the dense model class."""
@@ -85,6 +92,7 @@ def lowrank_config(m: ModelConfig, tokens: dict[str, int]) -> dict[str, Any]:
         "model_type": f"boostlr_{m.arch}",
         "auto_map": {
             "AutoConfig": f"{CONFIG_MODULE}.{config_class(m)}",
+            "AutoModel": f"{module}.{base_model_class(m)}",
             "AutoModelForCausalLM": f"{module}.{model}",
         },
         **llama_fields(m),

@@ -8,6 +8,14 @@ GQA by ``repeat_interleave``), so the logits equal ``boostlr``'s own forward; mo
 match boostlr's export (``model.layers.{i}.self_attn.q_proj.down.weight``), so the weights
 load by name, untouched.
 
+Attention follows transformers' attention interface, so inference engines that plug into it
+(vLLM's Transformers backend) run these models: under ``sdpa`` or ``eager`` (transformers'
+own choices) the module runs boostlr's SDPA call as before; any other
+``config._attn_implementation`` is called once through ``ALL_ATTENTION_FUNCTIONS`` with the
+rotated, un-repeated heads. The base model of each arch is a class of its own
+(``BoostlrColaModel``, ``AutoModel`` in the export's ``auto_map``), and the configuration
+carries a tensor-parallel plan (``base_model_tp_plan``).
+
 Every block linear is ``up(h(down(x)))``: ``h`` is the identity for SVD, SiLU for CoLA, and
 for LaX ``SiLU(LN_r(down(x) + G(z_prev)))``, where ``z_prev`` is the latent the same linear
 of the previous block produced at the same position. The latent is per position, so cached
@@ -32,6 +40,11 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+try:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError:  # transformers < 4.48 has no attention interface: sdpa only
+    ALL_ATTENTION_FUNCTIONS = {}
+
 from .configuration_boostlr import (
     BoostlrColaConfig,
     BoostlrConfig,
@@ -46,6 +59,11 @@ Latents = dict[str, torch.Tensor]
 _FIELDS = CausalLMOutputWithPast.__dataclass_fields__
 CACHE_FIELD = "cache" if "cache" in _FIELDS else "past_key_values"
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+#: Attention implementations that run boostlr's own SDPA call (bit-identical logits to
+#: boostlr's forward); any other goes through ``ALL_ATTENTION_FUNCTIONS``.
+OWN_ATTENTION = (None, "sdpa", "eager")
+#: Keyword arguments of the model's forward that are not for the attention function.
+_MODEL_ONLY_KWARGS = ("return_dict", "output_attentions", "output_hidden_states")
 
 
 class BoostlrRMSNorm(nn.Module):
@@ -91,17 +109,6 @@ class BoostlrLatentCrossing(nn.Module):
         return self.norm(u), u
 
 
-class BoostlrDenseLinear(nn.Module):
-    """``W x`` (arch ``full``, MoE models only); no latent."""
-
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(d_out, d_in))
-
-    def forward(self, x: torch.Tensor, z_prev: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        return F.linear(x, self.weight), None
-
-
 class BoostlrLowRankLinear(nn.Module):
     """``up(h(down(x)))``; returns the output and LaX's latent (``None`` for SVD and CoLA).
 
@@ -136,11 +143,22 @@ class BoostlrLowRankLinear(nn.Module):
 
 def make_linear(
     config: BoostlrConfig, d_in: int, d_out: int, layer: int
-) -> BoostlrDenseLinear | BoostlrLowRankLinear:
-    """The block linear of the config's arch."""
+) -> nn.Linear | BoostlrLowRankLinear:
+    """The block linear of the config's arch: a plain ``nn.Linear`` for ``full`` (``W x``, MoE
+    models only), so that engines replace it with their tensor-parallel linear."""
     if config.arch == "full":
-        return BoostlrDenseLinear(d_in, d_out)
+        return nn.Linear(d_in, d_out, bias=False)
     return BoostlrLowRankLinear(config, d_in, d_out, layer)
+
+
+def project(
+    linear: nn.Module, x: torch.Tensor, z_prev: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block linear on ``x``, and its latent (``None`` but for LaX). A dense linear (or the
+    engine's replacement of it) has no latent and takes ``x`` alone."""
+    if isinstance(linear, BoostlrLowRankLinear):
+        return linear(x, z_prev)
+    return linear(x), None
 
 
 def rope_tables(
@@ -163,45 +181,74 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """boostlr's attention on ``[b, heads, s, head_dim]``: GQA by ``repeat_interleave``,
+    causal SDPA without a mask (the call boostlr's model makes), the boolean mask otherwise;
+    returns ``[b, s, heads, head_dim]``."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    if mask is None:
+        # Same call as boostlr's model when there is no cache: bit-identical logits.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2)
+
+
 class BoostlrAttention(nn.Module):
-    def __init__(self, config: BoostlrConfig, layer: int):
+    """Self-attention with RoPE and GQA; ``config``, ``layer_idx`` and ``scaling`` are what
+    transformers' attention interface (and vLLM, which serves each ``layer_idx`` from its own
+    KV cache) reads off the module."""
+
+    def __init__(self, config: BoostlrConfig, layer_idx: int):
         super().__init__()
-        self.layer = layer
+        self.config = config
+        self.layer_idx = layer_idx
         self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = 0.0
+        self.is_causal = True
         d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
         shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
         for name, (d_in, d_out) in shapes.items():
-            setattr(self, name, make_linear(config, d_in, d_out, layer))
+            setattr(self, name, make_linear(config, d_in, d_out, layer_idx))
 
     def forward(
         self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
         cache: Cache | None,
         z_prev: Latents | None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, Latents]:
         z: Latents = {}
-        q, z["q_proj"] = self.q_proj(x, _get(z_prev, "q_proj"))
-        k, z["k_proj"] = self.k_proj(x, _get(z_prev, "k_proj"))
-        v, z["v_proj"] = self.v_proj(x, _get(z_prev, "v_proj"))
+        q, z["q_proj"] = project(self.q_proj, hidden_states, _get(z_prev, "q_proj"))
+        k, z["k_proj"] = project(self.k_proj, hidden_states, _get(z_prev, "k_proj"))
+        v, z["v_proj"] = project(self.v_proj, hidden_states, _get(z_prev, "v_proj"))
         b, s, _ = q.shape
+        # ``-1`` heads: under a tensor-parallel plan each rank holds its share of them.
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rope(q, *position_embeddings), apply_rope(k, *position_embeddings)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        if mask is None:
-            # Same call as boostlr's model when there is no cache: bit-identical logits.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
+            k, v = cache.update(k, v, self.layer_idx)
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if implementation in OWN_ATTENTION:
+            out = sdpa_attention(q, k, v, attention_mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y, z["o_proj"] = self.o_proj(out.transpose(1, 2).reshape(b, s, -1), _get(z_prev, "o_proj"))
+            attention_interface = ALL_ATTENTION_FUNCTIONS[implementation]
+            out, _ = attention_interface(
+                self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            )
+        out = out.reshape(b, s, -1)
+        y, z["o_proj"] = project(self.o_proj, out, _get(z_prev, "o_proj"))
         return y, z
 
 
@@ -216,10 +263,10 @@ class BoostlrMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, z_prev: Latents | None) -> tuple[torch.Tensor, Latents]:
         z: Latents = {}
-        g, z["gate_proj"] = self.gate_proj(x, _get(z_prev, "gate_proj"))
-        u, z["up_proj"] = self.up_proj(x, _get(z_prev, "up_proj"))
+        g, z["gate_proj"] = project(self.gate_proj, x, _get(z_prev, "gate_proj"))
+        u, z["up_proj"] = project(self.up_proj, x, _get(z_prev, "up_proj"))
         product = F.silu(g) * u if self.form == "swiglu" else g * u
-        y, z["down_proj"] = self.down_proj(product, _get(z_prev, "down_proj"))
+        y, z["down_proj"] = project(self.down_proj, product, _get(z_prev, "down_proj"))
         return y, z
 
 
@@ -245,8 +292,9 @@ class BoostlrDecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         cache: Cache | None,
         z_prev: Latents | None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, Latents]:
-        a, z_attn = self.self_attn(self.input_layernorm(x), rope, mask, cache, z_prev)
+        a, z_attn = self.self_attn(self.input_layernorm(x), rope, mask, cache, z_prev, **kwargs)
         x = x + a
         m, z_mlp = self.mlp(self.post_attention_layernorm(x), z_prev)
         return x + m, {**z_attn, **z_mlp}
@@ -258,6 +306,8 @@ class BoostlrPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["BoostlrDecoderLayer"]
     _supports_sdpa = True
+    # Attention goes through transformers' interface for any implementation but sdpa/eager.
+    _supports_attention_backend = True
     _supports_cache_class = True  # transformers 4.x reads it before building a DynamicCache
 
 
@@ -290,8 +340,9 @@ class BoostlrModel(BoostlrPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPast | tuple:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
@@ -306,10 +357,12 @@ class BoostlrModel(BoostlrPreTrainedModel):
             position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
         rope = rope_tables(self.config, position_ids)
         mask = attention_bias(attention_mask, x.shape[0], x.shape[1], past, x.device)
+        attention_kwargs = {k: v for k, v in kwargs.items() if k not in _MODEL_ONLY_KWARGS}
         z: Latents | None = None
         for layer in self.layers:
-            x, z = layer(x, rope, mask, cache, z)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})
+            x, z = layer(x, rope, mask, cache, z, **attention_kwargs)
+        out = BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})
+        return out if return_dict is not False else out.to_tuple()
 
 
 class BoostlrForCausalLM(BoostlrPreTrainedModel, GenerationMixin):
@@ -352,6 +405,7 @@ class BoostlrForCausalLM(BoostlrPreTrainedModel, GenerationMixin):
         past_key_values: Cache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        kwargs.pop("return_dict", None)  # the base model's output is read by name below
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -359,6 +413,7 @@ class BoostlrForCausalLM(BoostlrPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            **kwargs,
         )
         hidden = out.last_hidden_state
         if isinstance(logits_to_keep, int):
@@ -404,16 +459,32 @@ def attention_bias(
     return mask
 
 
+# Each arch's base model (``AutoModel``, what vLLM builds) and causal LM, with the arch's config.
+class BoostlrSvdModel(BoostlrModel):
+    config_class = BoostlrSvdConfig
+
+
+class BoostlrColaModel(BoostlrModel):
+    config_class = BoostlrColaConfig
+
+
+class BoostlrLaxModel(BoostlrModel):
+    config_class = BoostlrLaxConfig
+
+
 class BoostlrSvdForCausalLM(BoostlrForCausalLM):
     config_class = BoostlrSvdConfig
+    inner_model = BoostlrSvdModel
 
 
 class BoostlrColaForCausalLM(BoostlrForCausalLM):
     config_class = BoostlrColaConfig
+    inner_model = BoostlrColaModel
 
 
 class BoostlrLaxForCausalLM(BoostlrForCausalLM):
     config_class = BoostlrLaxConfig
+    inner_model = BoostlrLaxModel
 
 
 MODEL_CLASSES = {
@@ -421,6 +492,7 @@ MODEL_CLASSES = {
     "cola": BoostlrColaForCausalLM,
     "lax": BoostlrLaxForCausalLM,
 }
+BASE_MODEL_CLASSES = {"svd": BoostlrSvdModel, "cola": BoostlrColaModel, "lax": BoostlrLaxModel}
 
 
 def _get(z: Latents | None, name: str) -> torch.Tensor | None:

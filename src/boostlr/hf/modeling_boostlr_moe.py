@@ -252,20 +252,41 @@ class BoostlrMoeForCausalLM(BoostlrForCausalLM):
     _no_split_modules = ["BoostlrMoeDecoderLayer"]
 
 
+# Each arch's base model (``AutoModel``, what vLLM builds) and causal LM, with the arch's config.
+class BoostlrSvdMoeModel(BoostlrMoeModel):
+    config_class = BoostlrSvdMoeConfig
+
+
+class BoostlrColaMoeModel(BoostlrMoeModel):
+    config_class = BoostlrColaMoeConfig
+
+
+class BoostlrLaxMoeModel(BoostlrMoeModel):
+    config_class = BoostlrLaxMoeConfig
+
+
+class BoostlrFullMoeModel(BoostlrMoeModel):
+    config_class = BoostlrFullConfig
+
+
 class BoostlrSvdMoeForCausalLM(BoostlrMoeForCausalLM):
     config_class = BoostlrSvdMoeConfig
+    inner_model = BoostlrSvdMoeModel
 
 
 class BoostlrColaMoeForCausalLM(BoostlrMoeForCausalLM):
     config_class = BoostlrColaMoeConfig
+    inner_model = BoostlrColaMoeModel
 
 
 class BoostlrLaxMoeForCausalLM(BoostlrMoeForCausalLM):
     config_class = BoostlrLaxMoeConfig
+    inner_model = BoostlrLaxMoeModel
 
 
 class BoostlrFullMoeForCausalLM(BoostlrMoeForCausalLM):
     config_class = BoostlrFullConfig
+    inner_model = BoostlrFullMoeModel
 
 
 MOE_MODEL_CLASSES = {
@@ -273,4 +294,10 @@ MOE_MODEL_CLASSES = {
     "cola": BoostlrColaMoeForCausalLM,
     "lax": BoostlrLaxMoeForCausalLM,
     "full": BoostlrFullMoeForCausalLM,
+}
+MOE_BASE_MODEL_CLASSES = {
+    "svd": BoostlrSvdMoeModel,
+    "cola": BoostlrColaMoeModel,
+    "lax": BoostlrLaxMoeModel,
+    "full": BoostlrFullMoeModel,
 }
