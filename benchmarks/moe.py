@@ -132,10 +132,13 @@ def _rank(args: argparse.Namespace, ep: int, dp: int, src: str | None) -> dict[s
         model.global_mean(loss)
         model.clip_gradients(part.cfg.train.grad_clip)
         optimizer.step()
-        # The balance bias's update as the trainer's step hook makes it; called directly so
-        # a --baseline-src tree without step hooks runs the same step.
-        dp = model.comms.dp.group if model.comms.dp.size > 1 else None
-        update_expert_biases(model.moe_layers(), group=dp)
+        # The balance bias's update: the trainer's step hook where the tree has step hooks,
+        # else (a --baseline-src tree from before them) the call the loop made itself.
+        if hasattr(model, "after_optimizer_step"):
+            model.after_optimizer_step()
+        else:
+            dp = model.comms.dp.group if model.comms.dp.size > 1 else None
+            update_expert_biases(model.moe_layers(), group=dp)
 
     results: dict[str, dict[str, Any]] = {
         label: {"bytes": [], "comm": [], "times": []} for label in parts

@@ -50,8 +50,8 @@ def test_moe_formula_is_3r_vs_2d_per_copy(moe) -> None:
         counts = 3 * ep * 4 * 8  # 3 MoE layers x [ep, ep, E / ep] int64 gathered, forward only
         copies = 8 // ep * 16 * 2
         latent, hidden = (
-            moe.formula_bytes(args, "latent", ep),
-            moe.formula_bytes(args, "hidden", ep),
+            moe.formula_bytes(args, "latent", ep, ep),
+            moe.formula_bytes(args, "hidden", ep, ep),
         )
         assert latent - counts == 3 * 2 * copies * 3 * 16 * 4  # 2r out + r back, fwd and bwd
         assert hidden - counts == 3 * 2 * copies * 2 * 64 * 4  # d out + d back
@@ -61,7 +61,7 @@ def _fake_ranks(moe, args: argparse.Namespace, ep: int, off: int) -> dict[int, d
     """Per-rank results whose byte sums are the formula's (+ ``off`` on rank 0, step 0)."""
     ranks: dict[int, dict] = {r: {} for r in range(ep)}
     for label, _, dispatch in moe.VARIANTS:
-        total = moe.formula_bytes(args, dispatch, ep) * ep
+        total = moe.formula_bytes(args, dispatch, ep, ep) * ep
         for r in range(ep):
             share = total // ep + (off if r == 0 else 0)
             ranks[r][label] = {
@@ -76,9 +76,9 @@ def _fake_ranks(moe, args: argparse.Namespace, ep: int, off: int) -> dict[int, d
 
 def test_moe_table_flags_a_ledger_that_differs_from_the_formula(moe) -> None:
     args = moe.parse(["--quick", "--ep", "2"])
-    exact = moe.table(args, 2, moe.summarize(args, 2, _fake_ranks(moe, args, 2, 0)))
+    exact = moe.table(args, 2, 2, moe.summarize(args, 2, 2, _fake_ranks(moe, args, 2, 0)))
     assert "ledger = formula in every timed step, every variant: yes" in exact
-    off = moe.table(args, 2, moe.summarize(args, 2, _fake_ranks(moe, args, 2, 8)))
+    off = moe.table(args, 2, 2, moe.summarize(args, 2, 2, _fake_ranks(moe, args, 2, 8)))
     assert "ledger = formula in every timed step, every variant: NO" in off
 
 
@@ -94,8 +94,8 @@ def test_moe_quick_tables() -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     out = done.stdout
-    tables = out.split("\n# moe: ep ")[1:]
-    assert [t.split(" ", 1)[0] for t in tables] == ["2", "4"]
+    tables = out.split("\n# moe: ")[1:]
+    assert [t.split(" (", 1)[0] for t in tables] == ["dp 2 x ep 2", "dp 4 x ep 4"]
     for text in tables:
         for label in LABELS:
             row = re.search(rf"^{label} +([\d,]+) +([\d,]+) +([\d.]+) +([\d.]+) ", text, re.M)
