@@ -179,20 +179,7 @@ TRACED = {  # (arch, ep, extra): paper-width blocks, 4 layers, a fake world of 8
 }
 
 
-# full-hidden-bf16-ep2's traced peak is 2.81 GiB, the plan's 3.20 GiB (+14%). Its bytes are
-# equal. The plan's terms for the dense blocks' gathers and activations were already about
-# 1 GiB over the trace here, offset by gradients it puts after the peak; with its experts'
-# state now 1/dp per rank instead of replicated over dp_rep, the same error is 14% of a
-# smaller peak. The cost model's dense terms are another change's (analysis/costmodel.py).
-DENSE_TERMS_OVER = pytest.mark.xfail(
-    strict=True, reason="the plan's dense gathered/activation terms over the trace by ~1 GiB"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=DENSE_TERMS_OVER) if n == "full-hidden-bf16-ep2" else n for n in TRACED],
-)
+@pytest.mark.parametrize("name", list(TRACED))
 def test_trace_of_an_ep_layout_is_the_plans(name: str) -> None:
     """``plan --trace`` under balanced routing: every group's bytes equal the plan's, the
     traced peak is within 10% of the plan's, and the assumption is stated."""

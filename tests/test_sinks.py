@@ -13,8 +13,8 @@ from test_train import tiny_run_config
 
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
-from boostlr.train import loop, sinks
 from boostlr.train import run as trainer
+from boostlr.train import saving, sinks
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -219,7 +219,7 @@ def _offline_run(
         def broken_save(state, step: int) -> float:
             raise RuntimeError("disk full")
 
-        monkeypatch.setattr(loop, "save", broken_save)
+        monkeypatch.setattr(saving, "save", broken_save)
         with pytest.raises(RuntimeError, match="disk full"):
             trainer.train(cfg, run, console=False)
     else:

@@ -68,14 +68,11 @@ from boostlr.analysis.memory import (
 from boostlr.analysis.moe import (
     buffer_bytes,
     dense_mlp_activation,
-    dp_rep,
     ep_micro_bytes,
-    ep_micro_calls,
     expert_grad_bytes,
-    expert_grad_calls,
     moe_mlp_activation,
-    moe_summary,
 )
+from boostlr.analysis.moe_time import moe_comm_times, planned_moe_summary
 from boostlr.analysis.prediction import Prediction, planned_layout
 from boostlr.analysis.schedule import interleaved_span, pipeline_span
 from boostlr.config import PRESETS, RunConfig, resolve_vocab_dp
@@ -364,7 +361,7 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
     fixed = max((fixed_parts(cfg, hw, params[r]) for r in ranks), key=lambda f: sum(f.values()))
     serial = sum(fixed.values())  # optimizer, clipping, accumulation, casts: in series
     compute = compute_only + serial
-    moe_parts = moe_comm_times(cfg, hw, params[0]) if is_moe(m) else {}
+    moe_parts = moe_comm_times(cfg, hw, params[0], comm_metrics(cfg)) if is_moe(m) else {}
     moe_comm = sum(v for k, v in moe_parts.items() if not k.endswith("_alpha_s"))
     comm = tp_comm + pp_comm + dp_exposed + moe_comm  # moe's: none overlaps compute
     step = busy + bubble + pp_comm + dp_exposed + serial + moe_comm
@@ -420,7 +417,9 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             for g in gemms
         ],
         flops_per_rank=steps * mb * slowest.flops,
-        moe=_moe_summary(cfg, hw, sum(worst.values())) if is_moe(m) else None,
+        moe=planned_moe_summary(cfg, hw, sum(worst.values()), comm_metrics(cfg))
+        if is_moe(m)
+        else None,
         fixed={
             **fixed,
             "launch_s": launch,
@@ -432,41 +431,6 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             "launch_us": hw.launch * 1e6,
         },
     )
-
-
-def _moe_summary(cfg: RunConfig, hw: HardwareProfile, memory: float) -> dict[str, object]:
-    """:func:`moe_summary` of a planning config: its ep bytes and its receive bound over the
-    MoE layers whose activations are alive at pipeline rank 0's peak."""
-    p, m = cfg.parallel, cfg.model
-    held = 1
-    if p.act_ckpt == "none":
-        layers = sum(moe_layer_count(m, ls) for ls, _, _ in stage_modules(p, m.n_layers, 0))
-        held = layers * in_flight(p, 0)
-    tokens = cfg.train.batch_size * cfg.data.seq_len
-    ep_bytes = comm_metrics(cfg)["comm_ep_bytes"]
-    return moe_summary(m, p, ep_bytes, tokens, act_size(cfg), held, memory, hw.memory)
-
-
-def moe_comm_times(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> dict[str, float]:
-    """Seconds of an MoE step's ep all-to-alls and of the expert units' FSDP traffic over
-    dp_rep. The all-to-alls are exposed: each one's result is the next op's input. The
-    expert units overlap compute as the blocks' FSDP traffic does, bar one unit's share
-    (the first gather, the last reduce-scatter): that share is exposed."""
-    p, m = cfg.parallel, cfg.model
-    seqs, mb, steps = microbatching(cfg)
-    metrics = comm_metrics(cfg)
-    calls = steps * mb * ep_micro_calls(m, p)
-    ep = collective_time("all_to_all", metrics["comm_ep_bytes"], calls, p.ep, p.ep * p.tp, hw)
-    units = len(params.expert_units)
-    rep_calls = expert_grad_calls(p, units, steps, mb)
-    rep = collective_time(
-        "all_gather", metrics["comm_dp_rep_bytes"], rep_calls, dp_rep(p), p.dp * p.tp, hw
-    )
-    return {
-        "ep_comm_s": ep,
-        "dp_rep_comm_s": rep / units if units else 0.0,
-        "ep_alpha_s": collective_alpha("all_to_all", calls, p.ep, p.ep * p.tp, hw),
-    }
 
 
 def _all_stage_times(cfg: RunConfig, hw: HardwareProfile) -> list[StageTime]:

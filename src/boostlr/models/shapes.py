@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from boostlr.config import ModelConfig
 from boostlr.specs.arch import arch_spec
+from boostlr.specs.moe import is_moe_layer
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def crossing_latents(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     """
     if not arch_spec(cfg.arch).crossing:
         return ()
-    # Whether block ``layer`` is an MoE block (as models.moe_experts.is_moe_layer, torch-free).
-    moe = cfg.moe_experts > 0 and layer >= cfg.moe_dense_layers
+    moe = is_moe_layer(cfg, layer)
     return tuple(n for n in LINEARS if not (moe and n == GATED_MLP.writes))
 
 

@@ -23,8 +23,9 @@ from boostlr.train.metrics import ConsoleProgress, MetricsLog
 from boostlr.train.optim import set_lr
 from boostlr.train.perf import build_times, peak_flops
 from boostlr.train.profiling import StepProfiler
+from boostlr.train.saving import save_in_loop
 from boostlr.train.sinks import open_sinks
-from boostlr.train.state import RunState, save
+from boostlr.train.state import RunState
 from boostlr.train.stopping import reason
 from boostlr.train.window import Window
 
@@ -158,14 +159,14 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str 
                 window = Window(state.device, step + 1)
             profiler.after_step(step)
             if stop and not last:  # a stop at the last step is the run's normal end
-                _save(state, step, window, phases, metrics, row)
+                save_in_loop(state, step, window, phases, metrics, row)
                 state.writer.wait()  # published before the exit: synchronous, async too
                 stopped = f"stopped at step {step} ({reason(stop)}): saved {state.writer.last_path}"
                 break
             if step % t.eval_every == 0 or last:
                 val_loss = evaluate(state, window, autocast, phases, metrics, progress, step)
             if step % t.ckpt_every == 0 or last:
-                _save(state, step, window, phases, metrics, row)
+                save_in_loop(state, step, window, phases, metrics, row)
             progress.update(step, row)
         finished = True
     finally:
@@ -180,25 +181,3 @@ def run_steps(state: RunState, console: bool) -> tuple[float, float | None, str 
             f"run {state.run_dir}"
         )
     return loss_value, val_loss, stopped
-
-
-def _save(
-    state: RunState,
-    step: int,
-    window: Window,
-    phases: MemoryPhases,
-    metrics: MetricsLog | None,
-    row: dict | None,
-) -> None:
-    """Save ``step`` (checked finite first) and log what it cost; its time is not the step's."""
-    if row is None:  # never save a state that went non-finite
-        window.check(state, step)
-    ledger = state.model.comms.ledger
-    paused = time.perf_counter()
-    window.take_comm(ledger)
-    cost = save(state, step)
-    phases.mark("save")
-    ledger.take_seconds()  # the save's own time is not the step's
-    window.excluded += time.perf_counter() - paused
-    if metrics is not None:
-        metrics.write({"step": step, **cost.row(), "async": state.cfg.train.async_ckpt})
