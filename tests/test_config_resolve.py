@@ -123,7 +123,7 @@ def test_the_trainer_runs_on_the_frozen_config(
 
     def no_steps(state, console):
         seen["cfg"], seen["model_cfg"] = state.cfg, state.model.cfg
-        return 0.0, None
+        return 0.0, None, None  # (loss, val_loss, why the ranks stopped early)
 
     monkeypatch.setattr(trainer, "run_steps", no_steps)
     cfg = tiny_run_config(small_dataset)
