@@ -111,7 +111,6 @@ def test_tp_checkpoint_exports_like_a_single_device_run(
             ],
             "act_ckpt lowrank",
         ),
-        (["--parallel.tp", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
         (["--parallel.norm", "fast"], "parallel.norm 'fast'"),
         (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.nproc", "2"], "pp 2 x dp 2"),
         (["--parallel.pp", "3"], "exceeds model.n_layers"),
