@@ -135,10 +135,14 @@ def test_sigterm_to_boostlrs_launcher_saves_and_resumes(
         env={"BOOSTLR_SIGNAL_AT": points},
     )  # fmt: skip
     step = assert_stopped(done, run_dir)
-    # The ranks agree one step after the signal (stopping.StopCheck: a lag of one step).
-    assert step == (2 if points.startswith("forward") else 5)
-    if step == 5:  # the periodic save the signal arrived in was finished, not dropped
-        assert saved_steps(run_dir) == [3, 5]
+    # The ranks agree one step after the step in whose check a rank first sees the signal
+    # (stopping.StopCheck: a lag of one step). The launcher forwards it to the other rank
+    # while that rank may still be before its own check of the signal's step, so the agreed
+    # stop is one or two steps after the step the signal was sent in; the same on every rank.
+    sent = 1 if points.startswith("forward") else 3
+    assert step in (sent + 1, sent + 2), step
+    if sent == 3:  # the periodic save the signal arrived in was finished, not dropped
+        assert saved_steps(run_dir) == [3, step]
     done = boostlr("--run-dir", str(run_dir), "--resume", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(run_dir) == reference
