@@ -2,8 +2,11 @@
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, gives each
 a gloo default group on a fresh localhost port, calls ``fn(rank, world_size, *args)``
-and returns the per-rank results. Spawning costs a torch import per rank, so put many
-checks into one ``fn`` rather than one spawn per check.
+and returns the per-rank results. The ranks are forked from one forkserver per pytest
+process that has imported torch and boostlr's parallel stack once: a spawned rank would
+pay those imports (seconds of CPU) on every call, and the suite makes hundreds of calls.
+Each rank is still a fresh process with the caller's environment of the moment; still, put
+many checks into one ``fn`` rather than one call per check.
 
 A rank that raises (or dies) fails the call with that rank's traceback, and the other
 ranks are terminated instead of being left blocked in a collective.
@@ -30,6 +33,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("BOOSTLR_TEST_BACKEND", "gloo")
+# NCCL ranks must not be forked from a process that may have touched CUDA: spawn them.
+START_METHOD = os.environ.get(
+    "BOOSTLR_TEST_START_METHOD", "spawn" if BACKEND == "nccl" else "forkserver"
+)
+
+# Imported once by the forkserver, so that the ranks forked from it start with them loaded.
+# Only imports: a forked rank must not inherit threads or a CUDA context from the server.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "boostlr.parallel.engine",
+    "boostlr.train.run",
+    "boostlr.models.llama",
+    "boostlr.config",
+    "parallel_cases",
+]
 
 
 def rank_device(rank: int) -> torch.device:
@@ -57,8 +76,14 @@ def _worker(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    # The forkserver's environment is the one it started with: take the caller's, as a
+    # spawned rank would (tests set variables for their ranks), then what torch reads early.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
+    dist.set_debug_level_from_env()
     torch.set_num_threads(1)
     try:
         if BACKEND == "nccl":
@@ -86,7 +111,9 @@ def run_distributed(
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = _free_port()
     # Children inherit the environment at start(), i.e. before they import torch.
@@ -95,7 +122,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, timeout_s, results, fn, args),
+            args=(rank, world_size, port, timeout_s, results, fn, args, dict(os.environ)),
             daemon=True,
         )
         for rank in range(world_size)
