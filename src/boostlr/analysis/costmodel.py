@@ -202,8 +202,9 @@ def state_bytes(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str,
     }
 
 
-def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[str, float]:
-    """Bytes one rank (tp rank 0) needs at its peak, by what holds them."""
+def memory_breakdown(cfg: RunConfig, hw: HardwareProfile | None, pp_rank: int) -> dict[str, float]:
+    """Bytes one rank (tp rank 0) needs at its peak, by what holds them (the profile's
+    reserve too; none without a profile)."""
     cfg = planning_config(cfg)
     p, m = cfg.parallel, cfg.model
     strategy = p.strategy_for(m.arch)
@@ -290,7 +291,7 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         out["grads"], out["activations"] = (
             (grads / layers, acts) if start >= end else (grads, end - grads)
         )
-    out["reserved"] = hw.reserved
+    out["reserved"] = hw.reserved if hw is not None else 0.0
     return out
 
 

@@ -3,9 +3,10 @@
 Parsing and validation (:func:`~boostlr.config.build_config`) leave some values to what only
 the data knows: ``model.vocab_size 0`` (the tokenizer's) and ``parallel.vocab_dp auto``
 (a rule over the vocabulary). :func:`resolve` fills those, with the layout's own
-(``parallel.dp -1``, ``train.global_batch``, ``parallel.dp_mode auto``), validates the
-result, and returns a frozen copy before any rank starts: a stage after it reads values
-that can no longer change under it, and one that tries to write raises
+(``parallel.dp -1``, ``train.global_batch``, ``parallel.dp_mode auto``: under a pipeline
+the caller's rule, the trainer's being the plan's), validates the result, and returns a
+frozen copy before any rank starts: a stage after it reads values that can no longer
+change under it, and one that tries to write raises
 :class:`dataclasses.FrozenInstanceError`. The copy holds the same fields, so what a run
 directory and a checkpoint record of it is what they recorded before.
 """
@@ -13,6 +14,7 @@ directory and a checkpoint record of it is what they recorded before.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from boostlr.config.schema import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
@@ -20,6 +22,11 @@ from boostlr.config.validate import resolve_layout, resolve_model, validate
 from boostlr.errors import ConfigError
 
 _T = TypeVar("_T")
+
+# Decides ``parallel.dp_mode auto`` under a pipeline from a config whose layout and
+# vocabulary are resolved: ``fsdp`` or ``ddp``. It must read only inputs every rank has
+# alike (the config, the device's kind), never a rank's own measurement.
+DpModeRule = Callable[["RunConfig"], str]
 
 
 class DataFacts(Protocol):
@@ -138,17 +145,23 @@ def bind_vocab(model: ModelConfig, data: DataFacts) -> None:
         )
 
 
-def resolve(cfg: RunConfig, data: DataFacts) -> RunConfig:
+def resolve(cfg: RunConfig, data: DataFacts, dp_mode: DpModeRule | None = None) -> RunConfig:
     """``cfg`` with everything left to the data or the layout decided, validated, and frozen.
 
     Run before any rank starts (and again by each rank an external launcher started, on the
     same inputs). ``cfg`` itself is not written: the result is a copy. Resolving a resolved
     config gives the same values, so a resumed run's saved config resolves to itself.
-    Errors are the :class:`~boostlr.errors.ConfigError` lines validation gives.
+    ``dp_mode`` decides ``parallel.dp_mode auto`` under a pipeline (the trainer passes the
+    plan's rule, :mod:`boostlr.train.dp_mode`); without one the layout's default
+    (``ParallelConfig.data_parallel_mode``). Errors are the
+    :class:`~boostlr.errors.ConfigError` lines validation gives.
     """
     out = thaw(cfg)
     resolve_model(out.model)
     bind_vocab(out.model, data)
-    resolve_layout(out)  # parallel.dp -1, grad_accum, dp_mode auto, vocab_dp auto
+    resolve_layout(out)  # parallel.dp -1, grad_accum, dp_mode auto off a pipeline, vocab_dp
+    if out.parallel.dp_mode == "auto":
+        chosen = dp_mode(out) if dp_mode is not None else out.parallel.data_parallel_mode
+        out.parallel.dp_mode = chosen  # type: ignore[assignment]
     validate(out)
     return freeze(out)

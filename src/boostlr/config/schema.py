@@ -354,9 +354,11 @@ class ParallelConfig:
     ``ddp``: kept gathered from forward to backward, only gradients reduce-scattered
     (ZeRO-2-like); under a pipeline kept gathered, with the stage's unreduced gradients,
     from the first micro-batch to the step's one reduction (torchtitan's choice under PP).
-    ``auto``: ``ddp`` under a pipeline (``pp > 1``: a fifth to a sixth of the dp bytes for
-    a stage's gathered bf16 weights and full gradients, benchmarks/RESULTS.md), else
-    ``fsdp``. The run's saved config shows the mode it resolved to."""
+    ``auto``: without a pipeline ``fsdp``; under one (``pp > 1``, ``dp > 1``) the trainer
+    asks the plan: ``ddp`` (a fifth to a sixth of the dp bytes, for a stage's gathered
+    weights and full gradients) when the plan predicts it faster and its planned peak
+    leaves 15% of the device's memory free, else ``fsdp``; it prints which and why at
+    start (docs/planning.md). The run's saved config shows the mode it resolved to."""
     vocab_dp: bool | Auto = "auto"
     """Under data parallelism, split an untied embedding's and LM head's rows over dp: they
     exchange activations (token ids, partial embeddings, the head's input: ``[dp x T, d]``
@@ -412,8 +414,17 @@ class ParallelConfig:
         return self.pp * self.dp * self.tp
 
     @property
+    def dp_mode_by_plan(self) -> bool:
+        """Whether ``dp_mode auto`` is the plan's to decide: under a pipeline with dp (both
+        modes then differ in memory and traffic); elsewhere the layout decides it."""
+        return self.pp > 1 and self.dp > 1
+
+    @property
     def data_parallel_mode(self) -> str:
-        """``dp_mode`` with ``auto`` decided: ``ddp`` under a pipeline, else ``fsdp``."""
+        """``dp_mode`` with ``auto`` decided by the layout alone: ``ddp`` under a pipeline,
+        else ``fsdp``. A run's resolved config holds the plan's choice instead
+        (:func:`boostlr.config.resolve.resolve`); this is what a config read without a
+        device (a plan row, a test's build) takes."""
         if self.dp_mode != "auto":
             return self.dp_mode
         return "ddp" if self.pp > 1 else "fsdp"

@@ -46,7 +46,10 @@ def launcher_world_size() -> int | None:
 
 
 def resolve_layout(cfg: RunConfig) -> None:
-    """Fill ``parallel.dp = -1`` from the world size and ``grad_accum`` from ``global_batch``."""
+    """Fill ``parallel.dp = -1`` from the world size and ``grad_accum`` from ``global_batch``,
+    ``parallel.vocab_dp auto`` once the vocabulary is known, and ``parallel.dp_mode auto``
+    where the layout alone decides it (no pipeline, or no dp); under a pipeline with dp it
+    stays ``auto`` for :func:`boostlr.config.resolve.resolve` (the plan's choice)."""
     p, t = cfg.parallel, cfg.train
     if p.dp == -1:
         world = p.nproc or launcher_world_size()
@@ -71,7 +74,7 @@ def resolve_layout(cfg: RunConfig) -> None:
                 "--train.batch_size / --parallel.dp"
             )
         t.grad_accum = t.global_batch // per_step
-    if p.dp_mode == "auto":  # decided by the layout alone (ParallelConfig.data_parallel_mode)
+    if p.dp_mode == "auto" and not p.dp_mode_by_plan:  # the layout decides (no pipeline)
         p.dp_mode = p.data_parallel_mode
     resolve_vocab_dp(cfg)
 

@@ -18,6 +18,7 @@ from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
 from boostlr.rundir.layout import METRICS_FILE
+from boostlr.train.dp_mode import mode_held
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
 from boostlr.train.optim import set_lr
@@ -59,7 +60,13 @@ def metrics_row(
         **{f"comm_{g}_time_s": comm[g] for g in groups if g != "dp_rep"},
         # CUDA FSDP streams may overlap compute: never report negative compute.
         "compute_time_s": max(0.0, step_time - sum(comm.values())),
-        **memory_row(state.model.parameters(), state.optimizer, state.device, phases),
+        **memory_row(
+            state.model.parameters(),
+            state.optimizer,
+            state.device,
+            phases,
+            mode_held(cfg, model.comms.pp.rank, model.comms.tp.rank),
+        ),
     }
     peak = peak_flops(state.device, cfg.train.dtype)
     if peak:  # MFU: the job's model FLOP/s over the peak of all its devices

@@ -232,10 +232,16 @@ def memory_row(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     phases: MemoryPhases,
+    mode_held: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """A metrics row's memory: this rank's tensors, its peak and its floor (tensors plus the
-    start-up runtime), in MiB."""
+    start-up runtime), in MiB. ``mode_held``: the bytes each dp mode holds by construction
+    beyond the shards (:func:`boostlr.analysis.dp_choice.mode_held_bytes`); each mode's
+    floor, ``mem_floor_<mode>_mb``, is the floor plus its own (a ``ddp`` rank's peak is
+    held against ``mem_floor_ddp_mb``: its gathered stage is no growth)."""
     held = held_tensor_mb(params, optimizer)
     phases.note_held(held)
     peak = max(peak_memory_mb(device), phases.peak_mb)
-    return {**held, "peak_mem_mb": peak, "mem_floor_mb": sum(held.values()) + phases.runtime_mb}
+    floor = sum(held.values()) + phases.runtime_mb
+    per_mode = {f"mem_floor_{k}_mb": floor + v / MB for k, v in (mode_held or {}).items()}
+    return {**held, "peak_mem_mb": peak, "mem_floor_mb": floor, **per_mode}

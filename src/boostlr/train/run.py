@@ -52,6 +52,7 @@ from boostlr.rundir.timeouts import (
     shard_bytes,
 )
 from boostlr.rundir.writer import CheckpointWriter
+from boostlr.train.dp_mode import PlanRule
 from boostlr.train.host_alloc import allocator_env, cache_host_memory, release_freed_pages
 from boostlr.train.loop import run_steps
 from boostlr.train.memory import MemoryPhases
@@ -114,10 +115,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: bool) -> TrainR
     if cfg.train.compile:
         check_toolchain(device)
     datasets = open_datasets(cfg)
-    cfg = resolve(cfg, datasets[0])
+    dp_rule = PlanRule(device)  # dp_mode auto under a pipeline: the plan's choice
+    cfg = resolve(cfg, datasets[0], dp_rule)
     adopt_slurm_env()
     if os.environ.get("RANK", "0") == "0":  # once: this process, or rank 0 of a launcher's
-        announce(cfg, run_dir, datasets[0].path, device, resume, console, under_launcher())
+        joined = under_launcher()
+        announce(cfg, run_dir, datasets[0].path, device, resume, console, joined, dp_rule.lines())
     if under_launcher():  # torchrun/srun started the ranks: join them
         return _rank_main(
             cfg, run_dir, console, device, resume=resume, datasets=datasets, started=started

@@ -25,9 +25,15 @@ MEM_LEGEND = (
 
 
 def startup_lines(
-    cfg: RunConfig, run_dir: Path, data: Path, device: torch.device, resume: bool
+    cfg: RunConfig,
+    run_dir: Path,
+    data: Path,
+    device: torch.device,
+    resume: bool,
+    decisions: list[str] | None = None,
 ) -> list[str]:
-    """The lines printed before training: model, layout and device, data and run dir, legend."""
+    """The lines printed before training: model, layout and device, what resolution decided
+    (``decisions``: ``parallel.dp_mode auto``'s choice and why), data and run dir, legend."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     arch = m.arch + (f" rank {m.rank}" if m.lowrank and m.rank else "")
     params = count_params(m).total
@@ -41,6 +47,7 @@ def startup_lines(
     return [
         f"{'resuming' if resume else 'training'} {arch} ({m.preset} preset, {size} parameters) "
         f"on {device.type}, {layout}, {t.dtype}",
+        *(decisions or []),
         f"data {data}{source} (vocabulary {m.vocab_size}, {tokens:,} tokens a step: {per_step}), "
         f"{t.steps} steps, run dir {run_dir}",
         MEM_LEGEND,
@@ -68,10 +75,12 @@ def announce(
     resume: bool,
     console: bool,
     joined: bool,
+    decisions: list[str] | None = None,
 ) -> None:
     """Print the start-up lines (``console``) and any note about unused options (stderr)."""
     if console:
-        print("\n".join(startup_lines(cfg, run_dir, data, device, resume)), flush=True)
+        lines = startup_lines(cfg, run_dir, data, device, resume, decisions)
+        print("\n".join(lines), flush=True)
     note = restart_note(cfg, joined)
     if note:
         print(note, file=sys.stderr, flush=True)
