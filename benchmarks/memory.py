@@ -14,6 +14,14 @@ the plan's prediction is held against that, as it models tensors, not the alloca
     python benchmarks/memory.py --activations --preset 350M --tp 2 --seq-len 256
     python benchmarks/memory.py --preset 350M --seq-len 64 --steps 2 --max-tensor-ratio 1.4
 
+``--dp-modes fsdp ddp`` runs each layout once per ``parallel.dp_mode`` and holds each run's
+peak against its mode's own floor (``mem_floor_<mode>_mb``: the floor plus what the mode
+holds by construction, ``boostlr.analysis.dp_choice.mode_held_bytes``), both modes side by
+side, with what ``auto`` would pick on this host:
+
+    python benchmarks/memory.py --preset 350M --layouts 2x2x2 --seq-len 64 --steps 2 \
+        --dp-modes fsdp ddp
+
 ``--activations`` measures, for arch x strategy x act_ckpt at one tp degree, the
 forward/backward peak at two batch sizes; their difference over the batch difference is the
 activation memory per sequence (the constant parts cancel).
@@ -31,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 PHASES = (
     "start-up",
@@ -111,10 +120,8 @@ def run_layout(args: argparse.Namespace, layout: tuple[int, int, int], extra: li
     return {"rc": done.returncode, "stderr": done.stderr[-2000:], "wall_s": wall, "ranks": reports}
 
 
-def predicted_mb(args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]):
-    """``boostlr plan``'s memory per pp rank for the same run (no device reserve), MiB."""
-    from boostlr.analysis.costmodel import memory_breakdown
-    from boostlr.analysis.hardware import load_profile
+def plan_config(args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]):
+    """The run's config as the planner builds it, with the run's vocabulary."""
     from boostlr.config import build_config
 
     pp, dp, tp = layout
@@ -132,6 +139,16 @@ def predicted_mb(args: argparse.Namespace, layout: tuple[int, int, int], extra: 
     ]
     cfg = build_config(overrides=pairs)
     cfg.model.vocab_size = args.vocab or args.data_vocab
+    return cfg
+
+
+def predicted_mb(args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]):
+    """``boostlr plan``'s memory per pp rank for the same run (no device reserve), MiB."""
+    from boostlr.analysis.costmodel import memory_breakdown
+    from boostlr.analysis.hardware import load_profile
+
+    pp = layout[0]
+    cfg = plan_config(args, layout, extra)
     hw = load_profile("a100-40gb")
     out = {}
     for rank in range(pp):
@@ -243,6 +260,65 @@ def tensor_ratio(ranks: dict[int, dict]) -> tuple[float, int] | None:
     return max(ratios) if ratios else None
 
 
+def mode_floors(
+    args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]
+) -> dict[int, dict[str, float]]:
+    """Each rank's bytes by dp mode beyond its shards (ranks laid out tp, then dp, then pp)."""
+    from boostlr.analysis.dp_choice import mode_held_bytes
+
+    pp, dp, tp = layout
+    cfg = plan_config(args, layout, extra)
+    return {
+        (pp_rank * dp + d) * tp + t: mode_held_bytes(cfg, pp_rank, t)
+        for pp_rank in range(pp)
+        for d in range(dp)
+        for t in range(tp)
+    }
+
+
+def print_modes(results: dict[str, dict], floors: dict[int, dict[str, float]]) -> None:
+    """Each mode's largest rank: peak against the sharded floor and against its own."""
+    print(
+        "| dp_mode | rank | allocated peak (MiB) | floor | own floor | peak / floor "
+        "| peak / own floor | RSS peak | RSS peak / own floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, result in results.items():
+        rows = []
+        for rank, r in result["ranks"].items():
+            peaks = [
+                p["allocated_peak_mb"] for p in r["phases"].values() if "allocated_peak_mb" in p
+            ]
+            if not peaks or not r["held"]:
+                continue
+            floor = r.get("runtime_allocated_mb", r["runtime_mb"]) + sum(r["held"].values())
+            own = floor + floors[rank][mode] / 2**20
+            rss = max(p["peak_mb"] for p in r["phases"].values())
+            rss_own = floor_mb(r) + floors[rank][mode] / 2**20
+            rows.append((max(peaks) / own, rank, max(peaks), floor, own, rss, rss / rss_own))
+        if not rows:
+            continue
+        ratio, rank, peak, floor, own, rss, rss_ratio = max(rows)
+        print(
+            f"| {mode} | {rank} | {peak:,.0f} | {floor:,.0f} | {own:,.0f} | {peak / floor:.2f} "
+            f"| {ratio:.2f} | {rss:,.0f} | {rss_ratio:.2f} |"
+        )
+
+
+def auto_choice(args: argparse.Namespace, layout: tuple[int, int, int], extra: list[str]) -> str:
+    """The start line ``boostlr train`` prints for ``dp_mode auto`` here (the trainer's rule)."""
+    import torch
+
+    from boostlr.config import PRESETS, resolve
+    from boostlr.train.dp_mode import PlanRule
+
+    cfg = plan_config(args, layout, extra)
+    rule = PlanRule(torch.device(args.device))
+    vocab = cfg.model.vocab_size or PRESETS[cfg.model.preset].vocab_size
+    resolve(cfg, SimpleNamespace(vocab_size=vocab), rule)
+    return rule.lines()[0] if rule.lines() else "dp_mode auto: decided by the layout"
+
+
 def activations(args: argparse.Namespace) -> None:
     """Activation MiB per sequence for arch x strategy x act_ckpt at ``--tp``."""
     combos = [
@@ -308,6 +384,13 @@ def main() -> None:
     ap.add_argument("--data", default="", help="a prepared dataset (default: the stdlib corpus)")
     ap.add_argument("--vocab", type=int, default=0, help="model.vocab_size (0: the tokenizer's)")
     ap.add_argument("--activations", action="store_true")
+    ap.add_argument(
+        "--dp-modes",
+        nargs="+",
+        default=[],
+        choices=["fsdp", "ddp"],
+        help="run each layout once per parallel.dp_mode; peaks against each mode's own floor",
+    )
     ap.add_argument("--tp", type=int, default=2, help="tp degree of --activations")
     ap.add_argument(
         "--max-tensor-ratio",
@@ -321,6 +404,18 @@ def main() -> None:
         activations(args)
         return
     args.data_vocab = dataset_vocab(args.data)
+    if args.dp_modes:
+        for text in args.layouts:
+            layout = parse_layout(text)
+            results = {}
+            for mode in args.dp_modes:
+                results[mode] = run_layout(args, layout, [*extra, "--parallel.dp_mode", mode])
+                label = f"{args.preset} {args.arch} pp x dp x tp = {text}, dp_mode {mode}"
+                print_layout(f"{label} {' '.join(extra)}", results[mode])
+            print(f"\n### each mode against its own floor, {text}")
+            print_modes(results, mode_floors(args, layout, extra))
+            print(auto_choice(args, layout, extra))
+        return
     for text in args.layouts:
         layout = parse_layout(text)
         result = run_layout(args, layout, extra)
