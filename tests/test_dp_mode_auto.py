@@ -7,6 +7,7 @@ modes: ``tests/test_plan_trace.py``'s pp2 x dp2 x tp2 layouts, the default and `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,9 +25,11 @@ from boostlr.analysis.dp_choice import (
     planned_peak,
     with_mode,
 )
+from boostlr.analysis.hardware import load_profile
 from boostlr.analysis.memory import rank_params
 from boostlr.config import ParallelConfig, build_config, dump_toml, resolve
 from boostlr.errors import ConfigError
+from boostlr.train import dp_mode
 from boostlr.train import run as trainer
 from boostlr.train.dp_mode import PlanRule
 from boostlr.train.summary import startup_lines
@@ -132,7 +135,7 @@ def test_the_plan_takes_ddp_only_where_it_fits_with_the_margin(tmp_path: Path) -
     assert "85% of" in why.line() and why.speed["ddp"] < why.speed["fsdp"]
 
 
-def test_the_start_line_says_which_and_why(tmp_path: Path) -> None:
+def test_the_start_line_says_which_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _small()
     rule = PlanRule(torch.device("cpu"))
     resolved = resolve(cfg, VOCAB, rule)
@@ -140,6 +143,13 @@ def test_the_start_line_says_which_and_why(tmp_path: Path) -> None:
     assert "the host's memory over 4 local ranks" in rule.choice.memory_source
     lines = startup_lines(resolved, tmp_path, tmp_path, torch.device("cpu"), False, rule.lines())
     assert lines[1] == rule.choice.line()
+    # A profile that cannot time the run (no bf16 peak): the modes ranked by dp bytes.
+    hw = load_profile("h100-sxm")
+    fp32_only = dataclasses.replace(hw, peak_flops={"float32": hw.peak_flops["float32"]})
+    monkeypatch.setattr(dp_mode, "device_memory", lambda d, w: (hw.memory, fp32_only, "test"))
+    bf16 = PlanRule(torch.device("cpu"))
+    assert resolve(_small(("train.dtype", "bfloat16")), VOCAB, bf16).parallel.dp_mode == "ddp"
+    assert bf16.choice is not None and " dp bytes a step vs fsdp's " in bf16.choice.reason
     none = PlanRule(torch.device("cpu"))  # pp 1: the layout decided, nothing to say
     resolve(_small(("parallel.pp", "1")), VOCAB, none)
     assert none.lines() == []

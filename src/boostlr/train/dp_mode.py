@@ -73,7 +73,11 @@ class PlanRule:
 
     def __call__(self, cfg: RunConfig) -> str:
         memory, hw, source = device_memory(self.device, cfg.parallel.world_size)
-        self.choice = choose_dp_mode(cfg, memory, hw, source)
+        try:
+            self.choice = choose_dp_mode(cfg, memory, hw, source)
+        except ConfigError:  # a profile that cannot time this run (a calibration without
+            # the run's dtype): the modes are ranked by dp bytes instead, as without one
+            self.choice = choose_dp_mode(cfg, memory, None, source)
         return self.choice.mode
 
     def lines(self) -> list[str]:
