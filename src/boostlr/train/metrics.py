@@ -126,8 +126,9 @@ class ConsoleProgress:
             self._progress.start()
 
     def print(self, message: str) -> None:
+        # soft_wrap: a log line stays one line (piped, rich would break it at 80 columns).
         if self.enabled:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=True)
 
     def update(self, step: int, row: dict[str, Any] | None) -> None:
         stats = None
@@ -139,7 +140,7 @@ class ConsoleProgress:
                 kwargs["stats"] = stats
             self._progress.update(self._task, **kwargs)
         elif self.enabled and stats:
-            self.console.print(f"step {step:>6}  {stats}", highlight=False)
+            self.console.print(f"step {step:>6}  {stats}", highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:
