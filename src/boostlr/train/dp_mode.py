@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from boostlr.analysis.dp_choice import DpModeChoice, choose_dp_mode, mode_held_bytes
+from boostlr.analysis.dp_choice import DpModeChoice, choose_dp_mode
 from boostlr.analysis.hardware import HardwareProfile, load_profile, user_dir
 from boostlr.config import RunConfig
 from boostlr.errors import ConfigError
@@ -82,9 +82,3 @@ class PlanRule:
 
     def lines(self) -> list[str]:
         return [self.choice.line()] if self.choice is not None else []
-
-
-def mode_held(cfg: RunConfig, pp_rank: int, tp_rank: int) -> dict[str, float]:
-    """Bytes each dp mode holds on this rank beyond its shards (its floor's part), from the
-    parameter shapes (:func:`~boostlr.analysis.dp_choice.mode_held_bytes`, cached)."""
-    return mode_held_bytes(cfg, pp_rank, tp_rank)

@@ -14,11 +14,11 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from boostlr.analysis.dp_choice import mode_held_bytes
 from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
 from boostlr.rundir.layout import METRICS_FILE
-from boostlr.train.dp_mode import mode_held
 from boostlr.train.memory import MemoryPhases, memory_row
 from boostlr.train.metrics import ConsoleProgress, MetricsLog
 from boostlr.train.optim import set_lr
@@ -65,7 +65,7 @@ def metrics_row(
             state.optimizer,
             state.device,
             phases,
-            mode_held(cfg, model.comms.pp.rank, model.comms.tp.rank),
+            mode_held_bytes(cfg, model.comms.pp.rank, model.comms.tp.rank),
         ),
     }
     peak = peak_flops(state.device, cfg.train.dtype)
