@@ -160,7 +160,7 @@ def test_a_pipeline_run_prints_the_choice_saves_it_and_logs_each_floor(
 ) -> None:
     run = tmp_path / "run"
     over = {"parallel.pp": 2, "parallel.dp": 2, "model.n_layers": 2, "train.steps": 1}
-    cfg = tiny_run_config(small_dataset, **over, **{"train.eval_every": 1})
+    cfg = tiny_run_config(small_dataset, **over, **{"train.eval_every": 9, "train.ckpt_every": 9})
     assert cfg.parallel.dp_mode == "auto"
     trainer.train(cfg, run, console=True)
     out = capsys.readouterr().out
