@@ -33,6 +33,7 @@ from fp32_noise import BF16_FACTOR, bf16_layout_bound, layout_bound, relative_er
 from parallel_cases import _gather_full_weights, full_grad, global_batch, layout_config
 
 from boostlr.analysis.comm import pp_send_bytes
+from boostlr.analysis.moe import routed_widths
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
 from boostlr.models.llama import build_model
@@ -185,7 +186,12 @@ def follow(cfg, steps: int) -> dict:
             loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
         model.reduce_expert_gradients()  # as the trainer's step (no collective at ep 1)
         pp_bytes = model.step_metrics()["comm_pp_bytes"]
-        tp_sums = [(r.bytes, r.elements) for r in model.comms.ledger.records if r.tag == GRAD_TAG]
+        records = model.comms.ledger.records
+        tp_sums = [(r.bytes, r.elements) for r in records if r.tag == GRAD_TAG]
+        # Each forward payload all-to-all pair's dispatch (whole input: the rank's copies).
+        moe_fwd = [
+            r.bytes for r in records if r.group == "ep" and r.tag == "moe" and r.phase == "fwd"
+        ]
         layout64 = max(relative_error(full_grad(p), exact[n]) for n, p in model.named_parameters())
         single64 = max(relative_error(p.grad, exact[n]) for n, p in ref_params.items())
         grad_dtypes = {str(full_grad(p).dtype) for _, p in model.named_parameters()}
@@ -202,6 +208,7 @@ def follow(cfg, steps: int) -> dict:
                 "single64": single64,
                 "pp_bytes": pp_bytes,
                 "tp_sums": tp_sums,
+                "dispatch": moe_fwd[::2],
                 "grad_dtypes": grad_dtypes,
             }
         )
@@ -244,10 +251,18 @@ def check(label: str, cfg, report: dict) -> None:
             assert abs(s["norm"] - s["ref_norm"]) <= LOSS_TOL * s["ref_norm"], (label, s)
             assert s["layout64"] <= layout_bound(s["single64"]), (label, s)
     assert steps[-1]["loss"] < steps[0]["loss"], (label, [s["loss"] for s in steps])
-    if cfg.model.moe_experts and cfg.parallel.tp > 1:
+    p, m = cfg.parallel, cfg.model
+    if m.moe_experts and p.tp > 1:
         # The MoE gradients each TP rank holds a part of: summed once per step, in fp32.
         for sums in (s["tp_sums"] for s in steps):
             assert len(sums) == 1 and sums[0][0] == 4 * sums[0][1], (label, sums)
+    if m.moe_experts and p.ep > 1 and p.pp == 1 and not m.moe_capacity:
+        # Each (TP rank's share of the) micro-batch's copies leave in the compute dtype.
+        copies = cfg.train.batch_size * cfg.data.seq_len // p.tp * m.moe_top_k
+        w_d, e_d, _, _ = routed_widths(m, 2 if bf16 else 4)
+        want = copies * w_d * e_d
+        assert all(s["dispatch"] == [want] * len(s["dispatch"]) for s in steps), (label, want)
+        assert steps[0]["dispatch"], label
     if "eval" in report:
         got, want = report["eval"]
         assert abs(got - want) <= (BF16_LOSS_TOL if bf16 else LOSS_TOL) * abs(want), (label, got)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from boostlr.models.moe import Latents, MoEMLP, moe_layers
-from boostlr.models.params import local
+from boostlr.models.params import forward_dtype, local
 from boostlr.models.placement import chunk_range
 from boostlr.parallel.collectives import (
     GroupComm,
@@ -84,7 +84,10 @@ def mlp_forward(
     share = tokens // comm.size
     mine = joined[comm.rank * share : (comm.rank + 1) * share]
     route = moe.router.select(mine[:, width:])
-    pay = mine[:, :width].to(payload.dtype)
+    # In the compute dtype, as the one device's latents (its A_g, A_u are autocast GEMMs):
+    # what the experts' GEMMs read anyway, and half the bytes the ep all-to-all sends under
+    # bf16 (the normalised latents here are fp32).
+    pay = mine[:, :width].to(forward_dtype(payload))
     out = moe.routed(pay, route)
     if hasattr(moe, "shared"):
         out = out + moe.shared(pay, None).sum(0)
