@@ -71,6 +71,7 @@ from boostlr.analysis.moe import (
     ep_micro_bytes,
     expert_grad_bytes,
     moe_mlp_activation,
+    tp_summed_grad_elements,
 )
 from boostlr.analysis.moe_time import moe_comm_times, planned_moe_summary
 from boostlr.analysis.prediction import Prediction, planned_layout
@@ -140,9 +141,15 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
     pp_bytes = 0
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         if strategy is not None:
-            vol = stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
+            vol = stage_volume(m, p, strategy, tokens, a, layers, first, last)
             for k, v in vol.metrics(mb * steps).items():
                 tp[k.removeprefix("comm_tp_")] += v
+            # BTP's MoE gradients: summed over tp once per optimizer step, in one call.
+            summed = FP32 * tp_summed_grad_elements(m, p, layers)
+            if summed:
+                tp["bytes"] += summed
+                tp["bytes_bwd"] += summed
+                tp["calls"] += 1
         if p.pp > 1:
             sent = pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a, layers)
             pp_bytes += steps * sent

@@ -87,6 +87,39 @@ def ep_layer_bytes(m: ModelConfig, tokens: int, act: int, ep: int = 1) -> tuple[
     return payload + ep * m.moe_experts * COUNT_BYTES, payload
 
 
+def btp_moe_block_extra(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
+    """(forward, backward) tp bytes an MoE block under BTP moves beyond a dense BTP block,
+    per micro-batch of ``tokens`` tokens (``parallel/btp_moe.py``; the same calls).
+
+    Forward: the router's ``[T, E]`` partial logits ride in the readers' all-reduce; the
+    combined ``[T, r]`` results are all-gathered where a dense block all-reduces ``[T, r]``
+    (the same bytes). Backward: the latents' and logits' gradients ``[T, 2r + E]`` are
+    summed in one fp32 all-reduce (their joint dtype: the normalised latents are fp32)
+    where a dense block's readers sum ``[T, 2r]`` in ``act``; the gather's reduce-scatter
+    replaces the down-projection's ``[T, r]``."""
+    T, r, E = tokens, m.rank or 0, m.moe_experts
+    return T * E * act, T * (2 * r + E) * FP32 - 2 * T * r * act
+
+
+def tp_summed_grad_elements(m: ModelConfig, p: ParallelConfig, layers: range) -> int:
+    """Elements of the MoE gradients BTP sums over tp once per step on one rank (dp rank 0:
+    FSDP's first chunk is the largest), for the MoE blocks among ``layers``
+    (``btp_moe.sum_moe_grads_over_tp``): each router ``[E, d]`` and the shared experts,
+    FSDP-sharded over dp; the routed experts, over dp at ep 1, else this ep rank's
+    ``E / ep`` sharded over dp_rep."""
+    if p.tp <= 1:
+        return 0
+
+    def rows(n: int, over: int) -> int:
+        return -(-n // over)  # torch.chunk's first chunk, as FSDP2 shards dim 0
+
+    per_expert = expert_params(m)
+    routed = rows(m.moe_experts // p.ep, dp_rep(p)) if p.ep > 1 else rows(m.moe_experts, p.dp)
+    router = rows(m.moe_experts, p.dp) * m.dim
+    per_layer = router + (routed + rows(m.moe_shared, p.dp)) * per_expert
+    return moe_layer_count(m, layers) * per_layer
+
+
 def ep_layer_calls(m: ModelConfig) -> tuple[int, int]:
     """(forward, backward) collectives of one MoE layer and micro-batch: the count
     all-gather (dropless only), dispatch and combine; their two reverses."""
@@ -94,10 +127,11 @@ def ep_layer_calls(m: ModelConfig) -> tuple[int, int]:
 
 
 def ep_micro_bytes(m: ModelConfig, p: ParallelConfig, tokens: int, act: int) -> int:
-    """One rank's ep bytes for one micro-batch (forward, backward, re-forward)."""
+    """One rank's ep bytes for one micro-batch (forward, backward, re-forward); under BTP
+    each TP rank dispatches its ``1/tp`` share of the tokens."""
     if p.ep <= 1:
         return 0
-    fwd, bwd = ep_layer_bytes(m, tokens, act, p.ep)
+    fwd, bwd = ep_layer_bytes(m, tokens // max(1, p.tp), act, p.ep)
     again = fwd if p.act_ckpt == "block" else 0
     return moe_layer_count(m, range(m.n_layers)) * (fwd + bwd + again)
 
