@@ -2,10 +2,11 @@
 
 An MoE block trains under data parallelism, expert parallelism (``parallel.ep`` ranks carved
 out of dp), a pipeline and BTP (latent dispatch); the cost model prices it on the
-single-device block (``boostlr plan`` refuses MoE at ``tp > 1`` until it has a BTP MoE
-block). What the facts of an MoE model are (its blocks, what a routed copy carries, its
-expert parameters) is :mod:`boostlr.specs.moe`'s; what differs from a dense block, and is
-counted here:
+single-device block, and under BTP counts its bytes (:func:`btp_moe_block_extra`,
+:func:`tp_summed_grad_elements`, each TP rank's share over ep) but not yet its memory and
+time (``boostlr plan`` refuses MoE at ``tp > 1`` until it does). What the facts of an MoE
+model are (its blocks, what a routed copy carries, its expert parameters) is
+:mod:`boostlr.specs.moe`'s; what differs from a dense block, and is counted here:
 
 * **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` all-gathers the
   ``[ep, E/ep]`` int64 counts (forward only; every rank needs the whole matrix for the
