@@ -263,6 +263,22 @@ def test_trace_of_an_ep_layout_is_the_plans(name: str) -> None:
     assert "balanced routing" in format_trace([traced])
 
 
+def test_trace_of_an_ep_tp_layout_has_the_plans_bytes() -> None:
+    """A traced dp 4 x ep 2 x tp 2 rank (each TP rank dispatching its balanced share;
+    dp_rep 2: the experts' FSDP units) moves the bytes the cost model says, every group.
+    Its memory is not modelled yet (``boostlr plan`` refuses MoE at tp > 1)."""
+    over = {
+        "model.preset": "tiny", "model.arch": "cola", "data.seq_len": 64,
+        "train.batch_size": 2, "parallel.dp": 4, "parallel.tp": 2, "parallel.nproc": 8,
+        "parallel.ep": 2, "train.grad_clip": 0, "train.dtype": "bfloat16",
+        "model.moe_shared": 1, **MOE,
+    }  # fmt: skip
+    cfg = planning_config(build_config(overrides=[(k, str(v)) for k, v in over.items()]))
+    traced = trace_json(cfg, load_profile("h200"), [trace_rank(cfg, 0)])[0]
+    assert traced["comm_bytes"] == traced["plan_comm_bytes"]
+    assert traced["comm_bytes"]["ep"] > 0 and traced["comm_bytes"]["dp_rep"] > 0
+
+
 def test_balanced_routing_swaps_only_the_count_read_and_puts_it_back() -> None:
     from boostlr.models import moe_dispatch
     from boostlr.parallel import expert_parallel
