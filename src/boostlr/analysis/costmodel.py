@@ -66,6 +66,7 @@ from boostlr.analysis.memory import (
     stage_modules,
 )
 from boostlr.analysis.moe import (
+    btp_moe_activation_extra,
     buffer_bytes,
     dense_mlp_activation,
     ep_micro_bytes,
@@ -257,7 +258,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> dict[
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     if is_moe(m):
         # MoE blocks keep their experts' tensors instead of the dense MLP's
-        moe = moe_mlp_activation(m, tokens, a, p.ep, p.dp) - dense_mlp_activation(m, tokens, a)
+        if p.tp > 1 and strategy is not None:  # BTP's MoE block: each rank's token share
+            moe = btp_moe_activation_extra(m, tokens, a, p.ep, p.dp, p.tp)
+        else:
+            moe = moe_mlp_activation(m, tokens, a, p.ep, p.dp) - dense_mlp_activation(m, tokens, a)
         n_moe = sum(moe_layer_count(m, ls) for ls, _, _ in stages)
         acts += max(0.0, moe) if p.act_ckpt != "none" else moe * n_moe * held
         out["buffers"] = float(sum(buffer_bytes(m, ls) for ls, _, _ in stages))

@@ -2,11 +2,11 @@
 
 An MoE block trains under data parallelism, expert parallelism (``parallel.ep`` ranks carved
 out of dp), a pipeline and BTP (latent dispatch); the cost model prices it on the
-single-device block, and under BTP counts its bytes (:func:`btp_moe_block_extra`,
-:func:`tp_summed_grad_elements`, each TP rank's share over ep) but not yet its memory and
-time (``boostlr plan`` refuses MoE at ``tp > 1`` until it does). What the facts of an MoE
-model are (its blocks, what a routed copy carries, its expert parameters) is
-:mod:`boostlr.specs.moe`'s; what differs from a dense block, and is counted here:
+single-device block, and under BTP by what differs there (:func:`btp_moe_block_extra`,
+:func:`tp_summed_grad_elements`, :func:`btp_moe_activation_extra`; each TP rank's share
+of the tokens over ep and through the experts). What the facts of an MoE model are (its
+blocks, what a routed copy carries, its expert parameters) is :mod:`boostlr.specs.moe`'s;
+what differs from a dense block, and is counted here:
 
 * **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` all-gathers the
   ``[ep, E/ep]`` int64 counts (forward only; every rank needs the whole matrix for the
@@ -296,6 +296,28 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
     if s and act < FP32:  # the token's bf16 cast, which the shared experts' GEMMs keep
         out += T * d * act
     return float(out)
+
+
+def btp_moe_activation_extra(
+    m: ModelConfig, tokens: int, act: int, ep: int, dp: int, tp: int
+) -> float:
+    """Bytes one MoE block under BTP keeps beyond a dense BTP block, per micro-batch of
+    ``tokens`` (an estimate, as :func:`moe_mlp_activation`): the dense block's MLP
+    products over ``f / tp`` go; the router's fp32 scores of every token (every TP rank
+    routes all of them) and of its share come; the routed copies and shared experts of the
+    rank's ``T / tp`` share keep :func:`moe_mlp_activation`'s per-row tensors. The latents
+    (replicated) and ``B_d``'s ``[T, r]`` input are what the dense block's are."""
+    T, share, k, r, f = tokens, tokens // tp, m.moe_top_k, m.rank or 0, m.moe_ffn_dim or 0
+    prod = 4 if m.mlp_form == "swiglu" else 3
+    sigma = 1 if arch_spec(m.arch).latent_activation else 0
+    copies = share * k
+    dense = prod * T * (m.ffn_dim // tp) * act
+    out = 3 * (T + share) * m.moe_experts * FP32 + copies * (2 * COUNT_BYTES + 2 * FP32)
+    per_row = (f * prod + r * sigma) * act
+    out += copies * (2 * r * act + per_row + 2 * r * act) + m.moe_shared * share * per_row
+    if act < FP32:
+        out += expert_weight_casts(m, act, ep, dp)
+    return float(out - dense)
 
 
 def received_rows(m: ModelConfig, p: ParallelConfig, tokens: int) -> int:
