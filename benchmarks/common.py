@@ -91,6 +91,7 @@ class Part:
         with autocast:
             loss = self.model.forward_backward(inputs, targets)
         loss = self.model.global_mean(loss)
+        self.model.reduce_expert_gradients()  # as the trainer's step (MoE: ep, BTP's tp sum)
         self.model.clip_gradients(self.cfg.train.grad_clip)
         self.optimizer.step()
         if self.device.type == "cuda":

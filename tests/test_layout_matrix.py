@@ -33,10 +33,12 @@ from fp32_noise import BF16_FACTOR, bf16_layout_bound, layout_bound, relative_er
 from parallel_cases import _gather_full_weights, full_grad, global_batch, layout_config
 
 from boostlr.analysis.comm import pp_send_bytes
+from boostlr.analysis.moe import routed_widths
 from boostlr.config import build_config
 from boostlr.errors import ConfigError
 from boostlr.models.llama import build_model
 from boostlr.models.placement import stage_layers
+from boostlr.parallel.btp_moe import GRAD_TAG
 from boostlr.parallel.engine import ParallelModel
 from boostlr.train.optim import build_optimizer
 
@@ -78,10 +80,12 @@ MOE_LAYOUTS = {
 }
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_dim": 32}
 MOE_ARCHS = [("cola", {}), ("full", {"model.moe_shared": 1, "model.moe_balance": "aux"})]
-# MoE under BTP (latent dispatch; ep 1): (label, pp, dp, tp), cola only (full has no latent).
+# MoE under BTP (latent dispatch): (label, pp, dp, tp, ep), cola only (full has no latent).
+# At ep x tp each TP rank dispatches its share of the tokens to the ep peers of its TP rank.
 MOE_TP_LAYOUTS = {
-    2: [("moe tp2", 1, 1, 2)],
-    4: [("moe dp2tp2", 1, 2, 2), ("moe pp2tp2", 2, 1, 2)],
+    2: [("moe tp2", 1, 1, 2, 1)],
+    4: [("moe dp2tp2", 1, 2, 2, 1), ("moe pp2tp2", 2, 1, 2, 1), ("moe dp2ep2tp2", 1, 2, 2, 2)],
+    8: [("moe pp2dp2ep2tp2", 2, 2, 2, 2)],
 }
 
 # A capacity at ep > 1 (fixed-shape all-to-alls): capacity per rank's micro-batch, so its
@@ -101,16 +105,18 @@ MOE_LAX_LAYOUTS = {
 
 def moe_cases(world: int) -> list[tuple[str, object]]:
     cases = []
-    for (name, pp, dp, tp, ep, extra), dtype in itertools.product(MOE_LAX_LAYOUTS[world], DTYPES):
+    for (name, pp, dp, tp, ep, extra), dtype in itertools.product(
+        MOE_LAX_LAYOUTS.get(world, []), DTYPES
+    ):
         keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
         cases.append((f"{name} lax btp {dtype}", layout_config("lax", "btp", pp, dp, tp, **keys)))
     for (name, pp, dp, ep), (arch, extra), dtype in itertools.product(
-        MOE_LAYOUTS[world], MOE_ARCHS, DTYPES
+        MOE_LAYOUTS.get(world, []), MOE_ARCHS, DTYPES
     ):
         keys = {**MOE, **extra, "parallel.ep": ep, "train.dtype": dtype}
         cases.append((f"{name} {arch} {dtype}", layout_config(arch, "auto", pp, dp, 1, **keys)))
-    for (name, pp, dp, tp), dtype in itertools.product(MOE_TP_LAYOUTS[world], DTYPES):
-        keys = {**MOE, "model.moe_shared": 1, "train.dtype": dtype}
+    for (name, pp, dp, tp, ep), dtype in itertools.product(MOE_TP_LAYOUTS[world], DTYPES):
+        keys = {**MOE, "model.moe_shared": 1, "parallel.ep": ep, "train.dtype": dtype}
         cases.append((f"{name} cola btp {dtype}", layout_config("cola", "btp", pp, dp, tp, **keys)))
     for name, pp, dp, ep in MOE_CAPACITY_LAYOUTS.get(world, []):
         keys = {**MOE, "parallel.ep": ep, "model.moe_capacity": CAPACITY}
@@ -180,6 +186,12 @@ def follow(cfg, steps: int) -> dict:
             loss = float(model.global_mean(model.forward_backward(inputs[mine], targets[mine])))
         model.reduce_expert_gradients()  # as the trainer's step (no collective at ep 1)
         pp_bytes = model.step_metrics()["comm_pp_bytes"]
+        records = model.comms.ledger.records
+        tp_sums = [(r.bytes, r.elements) for r in records if r.tag == GRAD_TAG]
+        # Each forward payload all-to-all pair's dispatch (whole input: the rank's copies).
+        moe_fwd = [
+            r.bytes for r in records if r.group == "ep" and r.tag == "moe" and r.phase == "fwd"
+        ]
         layout64 = max(relative_error(full_grad(p), exact[n]) for n, p in model.named_parameters())
         single64 = max(relative_error(p.grad, exact[n]) for n, p in ref_params.items())
         grad_dtypes = {str(full_grad(p).dtype) for _, p in model.named_parameters()}
@@ -195,6 +207,8 @@ def follow(cfg, steps: int) -> dict:
                 "layout64": layout64,
                 "single64": single64,
                 "pp_bytes": pp_bytes,
+                "tp_sums": tp_sums,
+                "dispatch": moe_fwd[::2],
                 "grad_dtypes": grad_dtypes,
             }
         )
@@ -237,6 +251,18 @@ def check(label: str, cfg, report: dict) -> None:
             assert abs(s["norm"] - s["ref_norm"]) <= LOSS_TOL * s["ref_norm"], (label, s)
             assert s["layout64"] <= layout_bound(s["single64"]), (label, s)
     assert steps[-1]["loss"] < steps[0]["loss"], (label, [s["loss"] for s in steps])
+    p, m = cfg.parallel, cfg.model
+    if m.moe_experts and p.tp > 1:
+        # The MoE gradients each TP rank holds a part of: summed once per step, in fp32.
+        for sums in (s["tp_sums"] for s in steps):
+            assert len(sums) == 1 and sums[0][0] == 4 * sums[0][1], (label, sums)
+    if m.moe_experts and p.ep > 1 and p.pp == 1 and not m.moe_capacity:
+        # Each (TP rank's share of the) micro-batch's copies leave in the compute dtype.
+        copies = cfg.train.batch_size * cfg.data.seq_len // p.tp * m.moe_top_k
+        w_d, e_d, _, _ = routed_widths(m, 2 if bf16 else 4)
+        want = copies * w_d * e_d
+        assert all(s["dispatch"] == [want] * len(s["dispatch"]) for s in steps), (label, want)
+        assert steps[0]["dispatch"], label
     if "eval" in report:
         got, want = report["eval"]
         assert abs(got - want) <= (BF16_LOSS_TOL if bf16 else LOSS_TOL) * abs(want), (label, got)
@@ -262,7 +288,7 @@ def test_every_arch_and_dtype_matches_one_device(world: int) -> None:
     run_and_check(matrix_cases(world), world)
 
 
-@pytest.mark.parametrize("world", sorted(MOE_LAYOUTS))
+@pytest.mark.parametrize("world", sorted(MOE_TP_LAYOUTS))
 def test_moe_layouts_match_one_device(world: int) -> None:
     run_and_check(moe_cases(world), world)
 
@@ -282,7 +308,6 @@ MOE_REFUSED = [
     ({"parallel.dp": 3, "parallel.ep": 2}, "parallel.ep 2 must divide parallel.dp 3"),
     ({"parallel.dp": 2, "parallel.ep": 2, "train.compile": "true"}, "needs a capacity"),
     ({"parallel.dp": 2, "parallel.ep": 2, "parallel.ep_receive_factor": 0.5}, "must be 0 (no"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2}, "not supported with parallel.tp"),
     ({"parallel.tp": 2, "parallel.tp_strategy": "vanilla"}, "runs under tp strategy btp only"),
     ({"parallel.tp": 2, "model.moe_dispatch": "hidden"}, "moe_dispatch hidden runs on the"),
 ]

@@ -6,6 +6,7 @@ step 1 to fp32 noise); the layouts MoE does not run under tp are refused in one 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -86,9 +87,14 @@ def test_moe_layouts_tp_does_not_run_are_refused(small_dataset: Path, extra, mes
     assert "\n" not in str(err.value)
 
 
-def test_plan_refuses_moe_under_tp_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """The trainer runs it; the cost model has no BTP MoE block yet, so no wrong figures."""
+def test_plan_prices_the_btp_moe_block(capsys: pytest.CaptureFixture[str]) -> None:
+    """``boostlr plan`` at tp 2 shows the one MoE row BTP runs (latent dispatch), its
+    receive bound counted on each TP rank's share of the tokens."""
     args = ["plan", "--hardware", "h200", "--model.preset", "tiny", "--parallel.tp", "2"]
-    assert main(args + [f"--{k}={v}" for k, v in MOE.items()]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not model MoE blocks under parallel.tp > 1" in err[0], err
+    args += ["--data.seq_len", "256", "--train.batch_size", "4", "--json"]
+    assert main(args + [f"--{k}={v}" for k, v in MOE.items()]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["arch"], r["moe"]["dispatch"], r["layout"]["tp"]) for r in rows] == [
+        ("cola", "latent", 2)
+    ]
+    assert rows[0]["moe"]["receive"]["balanced_rows"] == 4 * 256 // 2 * MOE["model.moe_top_k"]

@@ -62,7 +62,6 @@ def test_first_layers_stay_dense() -> None:
         ({}, dict(tp=2, tp_strategy="vanilla"), "runs under tp strategy btp only"),
         (dict(moe_dispatch="hidden"), dict(tp=2), "moe_dispatch hidden runs on the single"),
         (dict(moe_capacity=1.0), dict(tp=2), "moe_capacity (1.0) is not supported with"),
-        ({}, dict(tp=2, dp=2, ep=2), "parallel.ep 2 is not supported with parallel.tp > 1"),
     ],
 )
 def test_bad_moe_configs_are_one_line(kw: dict, layout: dict, message: str) -> None:
@@ -83,6 +82,7 @@ def test_dispatch_auto_and_good_layouts() -> None:
     validate_moe(moe_cfg(), ParallelConfig(dp=4))
     validate_moe(moe_cfg(), ParallelConfig(pp=2, dp=4, ep=2))  # a pipeline of MoE stages
     validate_moe(moe_cfg(), ParallelConfig(tp=2, dp=2))  # BTP, latent dispatch
+    validate_moe(moe_cfg(), ParallelConfig(pp=2, tp=2, dp=2, ep=2))  # ep x tp under BTP
 
 
 @pytest.mark.parametrize("dispatch", ["latent", "hidden"])

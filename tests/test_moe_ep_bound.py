@@ -355,13 +355,16 @@ def _train_hot(rank: int, world: int, data: str, run_dir: str, overrides: dict) 
     finally:
         TopKRouter.select = select
     tokens = cfg.train.batch_size * cfg.data.seq_len
-    return {"received": seen.rows, "quotas": seen.quotas, "tokens": tokens}
+    tp_rank = rank % cfg.parallel.tp  # the mesh's last dim is tp
+    return {"received": seen.rows, "quotas": seen.quotas, "tokens": tokens, "tp_rank": tp_rank}
 
 
-def test_hot_expert_trains_within_the_bound(small_dataset: Path, tmp_path: Path) -> None:
-    """dp 2 x ep 2, every token to ep rank 0's experts, ``ep_receive_factor 1``: the steps
-    go on with finite losses, no all-to-all delivers more than ``T · k`` rows to a rank,
-    every rank computed the same quotas, and the rows count the drops."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hot_expert_trains_within_the_bound(small_dataset: Path, tmp_path: Path, tp: int) -> None:
+    """dp 2 x ep 2 (and x tp 2 under BTP, where each TP rank dispatches its ``T / tp``
+    share), every token to ep rank 0's experts, ``ep_receive_factor 1``: the steps go on
+    with finite losses, no all-to-all delivers more than ``T / tp · k`` rows to a rank,
+    every rank computed the same quotas, and the rows count the drops of every share."""
     from test_train import read_rows, tiny_run_config
 
     from boostlr.config import resolve
@@ -369,7 +372,7 @@ def test_hot_expert_trains_within_the_bound(small_dataset: Path, tmp_path: Path)
 
     overrides = {
         "model.moe_experts": EXPERTS, "model.moe_top_k": K, "model.moe_ffn_dim": 64,
-        "parallel.dp": 2, "parallel.ep": 2, "parallel.ep_receive_factor": 1.0,
+        "parallel.dp": 2, "parallel.ep": 2, "parallel.ep_receive_factor": 1.0, "parallel.tp": tp,
         "train.steps": 3, "train.eval_every": 100, "train.ckpt_every": 100,
     }  # fmt: skip
     run_dir = tmp_path / "run"
@@ -377,18 +380,21 @@ def test_hot_expert_trains_within_the_bound(small_dataset: Path, tmp_path: Path)
     datasets = trainer.open_datasets(cfg)
     cfg = resolve(cfg, datasets[0])
     trainer.prepare_run_dir(cfg, run_dir, False, datasets[0])
-    got = run_distributed(_train_hot, 2, str(small_dataset), str(run_dir), overrides)
-    cap = got[0]["tokens"] * K  # ceil(1 · T · k)
+    got = run_distributed(_train_hot, 2 * tp, str(small_dataset), str(run_dir), overrides)
+    cap = got[0]["tokens"] // tp * K  # ceil(1 · T / tp · k)
     for r in got:
         assert r["received"] and max(r["received"]) <= cap, (cap, max(r["received"]))
-        assert r["quotas"] == got[0]["quotas"]  # the same decision on every rank
+        same_tp = got[r["tp_rank"]]  # global rank tp_rank: dp 0, the same TP rank
+        assert r["quotas"] == same_tp["quotas"]  # the same decision on every ep rank
     assert max(got[0]["received"]) == cap  # rank 0 was filled to the bound, not past it
     rows = [r for r in read_rows(run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in rows)
     layers = cfg.model.n_layers - cfg.model.moe_dense_layers
-    # Each layer and micro-batch: 2 · T · k copies for rank 0, T · k kept.
-    assert all(r["moe_dropped"] == layers * cfg.train.grad_accum * cap for r in rows), rows
+    # Each layer and micro-batch: 2 · T · k copies for rank 0, T · k kept (summed over the
+    # TP ranks' shares).
+    dropped = layers * cfg.train.grad_accum * got[0]["tokens"] * K
+    assert [r["moe_dropped"] for r in rows] == [dropped] * 3, rows
 
 
 # ------------------------------------------------------------------ boostlr plan

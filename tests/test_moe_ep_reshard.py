@@ -72,6 +72,41 @@ def test_experts_saved_at_ep2_load_at_ep1_and_back(tmp_path: Path) -> None:
         assert torch.equal(state[name], p.detach()), name
 
 
+def _reshard_tp(rank: int, world: int, root: str) -> None:
+    """dp 2 x ep 2 x tp 2 under BTP: each ep rank's experts held alike by its two TP ranks
+    (``Shard(0)`` on ``ep``), the factors split over tp. Its state saves (one process reads
+    it back below), and a one-device state loads into its shards, each rank its rows."""
+    cfg = layout_config("cola", "btp", 1, 2, 2, **{**MOE, "parallel.ep": 2})
+    model = ParallelModel.build(cfg, cpu)
+    dcp.save({n: p.detach() for n, p in model.named_parameters()}, checkpoint_id=Path(root))
+    state = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    dcp.load(state, checkpoint_id=Path(root) / "plus1")
+    init = dict(build_model(cfg.model, seed=cfg.train.seed).named_parameters())
+    ep = model.comms.ep
+    per = cfg.model.moe_experts // ep.size
+    for name, value in state.items():
+        want = init[name].detach() + 1
+        if is_routed_expert(name):
+            assert value.device_mesh.mesh_dim_names == ("ep",), name
+            want, value = want[ep.rank * per : (ep.rank + 1) * per], value.to_local()
+        else:
+            value = value.full_tensor()
+        assert torch.equal(value, want), name
+
+
+def test_experts_saved_at_ep2_tp2_reshard_to_one_device_and_back(tmp_path: Path) -> None:
+    cfg = layout_config("cola", "btp", 1, 2, 2, **{**MOE, "parallel.ep": 2})
+    whole = build_model(cfg.model, seed=cfg.train.seed)
+    plus1 = {n: p.detach() + 1 for n, p in whole.named_parameters()}
+    dcp.save(plus1, checkpoint_id=tmp_path / "plus1", no_dist=True)
+    run_distributed(_reshard_tp, 4, str(tmp_path), timeout_s=240)
+    state = {n: torch.zeros_like(p) for n, p in whole.named_parameters()}
+    dcp_io.load(state, tmp_path, None)  # one process, as boostlr's readers do
+    assert any(is_routed_expert(n) for n in state)
+    for name, p in whole.named_parameters():
+        assert torch.equal(state[name], p.detach()), name
+
+
 SAVED_AT = (4, 2)  # dp, ep
 WIDE = {"model.moe_experts": 8}  # dp_rep 2 x ep 2 of 8 experts: two rows per rank
 

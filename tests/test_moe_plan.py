@@ -113,6 +113,65 @@ def test_moe_plan_bytes_equal_the_ledger_and_state_is_close(world: int) -> None:
         assert per_rank[0][CASES_4[0][0]]["dp_rep"] > 0
 
 
+def _tp_case(arch: str, pp: int, dp: int, ep: int, **extra) -> tuple[str, object]:
+    keys = {**MOE, "parallel.ep": ep, **extra}
+    return f"pp{pp}dp{dp}ep{ep}tp2 {arch} {extra}", layout_config(arch, "btp", pp, dp, 2, **keys)
+
+
+#: MoE under BTP (tp 2): fp32 and bf16, ep 1 and 2, LaX with block checkpointing over two
+#: micro-batches (the gradients' tp sum once per step), a pipeline, ungrouped readers.
+TP_CASES = [
+    _tp_case("cola", 1, 2, 2, **{"model.moe_shared": 1, "train.dtype": "bfloat16"}),
+    _tp_case("cola", 1, 2, 1, **{"model.moe_shared": 1}),
+    _tp_case("lax", 1, 2, 2, **{"parallel.act_ckpt": "block", "train.grad_accum": 2}),
+    _tp_case("svd", 2, 1, 1, **{"model.moe_balance": "aux", "parallel.grouping": "false"}),
+]
+TP_KEYS = ("fwd", "bwd", "recompute", "calls")
+
+
+def _measure_tp(rank: int, world: int, cases: list[tuple[str, object]]) -> dict:
+    out = {}
+    for label, cfg in cases:
+        model, _ = step_once(cfg)
+        ledger, comms = model.comms.ledger, model.comms
+        moe = [r for r in ledger.records if r.group == "ep" and r.tag == "moe"]
+        out[label] = {
+            "coords": (comms.pp.rank, comms.dp.rank, comms.tp.rank),
+            "row": model.step_metrics(),
+            "tp": ledger.step_metrics("comm_tp", group="tp"),
+            "dispatch": [r.bytes for r in moe if r.phase == "fwd"][::2],
+        }
+    return out
+
+
+def test_moe_plan_under_btp_bytes_equal_the_ledger() -> None:
+    """tp bytes and calls (the router's logits in the readers' all-reduce, the r-wide
+    gather, the gradients' one fp32 sum per step) exactly on dp rank 0 (FSDP's first
+    chunk of a ``[1, ...]`` shared expert is its whole); dp and dp_rep on every rank; ep over
+    each ep group, each TP rank dispatching its share."""
+    per_rank = run_distributed(_measure_tp, 4, TP_CASES, timeout_s=600)
+    for label, cfg in TP_CASES:
+        p, m = cfg.parallel, cfg.model
+        sums: dict[tuple[int, int], int] = {}
+        for r in per_rank:
+            got = r[label]
+            pp_rank, dp_rank, tp_rank = got["coords"]
+            plan = comm_metrics(cfg, pp_rank, tp_rank)
+            if dp_rank == 0:
+                for key in TP_KEYS:
+                    name = f"comm_tp_{key}" if key == "calls" else f"comm_tp_bytes_{key}"
+                    assert got["tp"][name] == plan[name], (label, name, got["tp"], plan)
+            for key in ("comm_dp_bytes", "comm_pp_bytes"):
+                assert got["row"][key] == plan[key], (label, key, got["row"], plan)
+            if p.ep > 1:
+                group = (pp_rank, dp_rank // p.ep, tp_rank)
+                sums[group] = sums.get(group, 0) + got["row"]["comm_ep_bytes"]
+                copies = cfg.train.batch_size * cfg.data.seq_len // p.tp * m.moe_top_k
+                w_d, e_d, _, _ = routed_widths(m, 2 if cfg.train.dtype == "bfloat16" else 4)
+                assert got["dispatch"] and set(got["dispatch"]) == {copies * w_d * e_d}, label
+        assert all(total == p.ep * plan["comm_ep_bytes"] for total in sums.values()), label
+
+
 # --- boostlr plan, --search and --trace on MoE configs -------------------------------------
 
 
@@ -156,6 +215,8 @@ def test_search_tries_every_expert_parallel_degree() -> None:
     tried = {(int(c.overrides["parallel.dp"]), int(c.overrides["parallel.ep"])) for c in found}
     for dp in {dp for dp, _ in tried}:
         assert {ep for d, ep in tried if d == dp} == {e for e in (1, 2, 4, 8, 16) if dp % e == 0}
+    # BTP's MoE block is priced too: ep x tp layouts are candidates.
+    assert any(c.prediction.layout["tp"] > 1 and c.prediction.layout["ep"] > 1 for c in found)
     best = search(cfg, hw, 16, top=3)
     assert all(c.prediction.layout["ep"] == int(c.overrides["parallel.ep"]) for c in best)
     assert any(c.prediction.layout["ep"] > 1 for c in best)
@@ -176,6 +237,8 @@ TRACED = {  # (arch, ep, extra): paper-width blocks, 4 layers, a fake world of 8
     "cola-latent-bf16-ep4": ("cola", 4, {"train.dtype": "bfloat16"}),
     "full-hidden-bf16-ep2": ("full", 2, {"train.dtype": "bfloat16"}),
     "lax-latent-fp32-ep4": ("lax", 4, {}),
+    # BTP: dp 4 x tp 2, each TP rank dispatching its share; dp_rep 2.
+    "cola-latent-bf16-ep2-tp2": ("cola", 2, {"train.dtype": "bfloat16", "parallel.tp": 2}),
 }
 
 
@@ -186,7 +249,8 @@ def test_trace_of_an_ep_layout_is_the_plans(name: str) -> None:
     arch, ep, extra = TRACED[name]
     over = {
         "model.preset": "1B", "model.n_layers": 4, "model.arch": arch, "data.seq_len": 1024,
-        "train.batch_size": 2, "parallel.dp": 8, "parallel.nproc": 8,
+        "train.batch_size": 2, "parallel.dp": 8 // extra.get("parallel.tp", 1),
+        "parallel.nproc": 8,
         # clip_gradients' scaling across the ep and dp meshes is the trainer branch's
         "train.grad_clip": 0,
         "model.moe_experts": 16, "model.moe_top_k": 2, "model.moe_ffn_dim": 1024,

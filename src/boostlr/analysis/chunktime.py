@@ -34,9 +34,10 @@ from boostlr.analysis.gemms import (
 )
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import FP32, stage_modules
+from boostlr.analysis.moe import btp_moe_block_extra
 from boostlr.config import ModelConfig, ParallelConfig, RunConfig
 from boostlr.specs.arch import arch_spec
-from boostlr.specs.moe import is_moe_layer
+from boostlr.specs.moe import is_moe_layer, moe_layer_count
 
 
 def act_size(cfg: RunConfig) -> int:
@@ -199,7 +200,7 @@ def stage_time(cfg: RunConfig, hw: HardwareProfile, pp_rank: int) -> StageTime:
         out.bwd += bwd
         out.kernels += kernels_all
         if strategy is not None and p.tp > 1:
-            vol = stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
+            vol = stage_volume(m, p, strategy, tokens, a, layers, first, last)
             # Costed as all-reduces (BTP's one last-hidden gather is a few % of its bytes).
             fwd_comm = collective_time("all_reduce", vol.fwd, vol.calls_fwd, p.tp, p.tp, hw)
             out.tp_comm_fwd += fwd_comm
@@ -225,13 +226,15 @@ def stage_volume(
     strategy: str,
     tokens: int,
     act: int,
-    n_layers: int,
+    layers: range,
     first: bool,
     last: bool,
 ) -> CommVolume:
-    """The ledger's TP traffic of one pipeline stage (its layers, embedding and head)."""
-    return tp_comm_volume(
-        replace(m, n_layers=n_layers),
+    """The ledger's TP traffic of one pipeline stage (its ``layers``, embedding and head)
+    per micro-batch; an MoE block's own (:func:`~boostlr.analysis.moe.btp_moe_block_extra`)
+    included, the once-per-step sum of its gradients not."""
+    vol = tp_comm_volume(
+        replace(m, n_layers=len(layers)),
         strategy,
         p.tp,
         tokens,
@@ -243,3 +246,9 @@ def stage_volume(
         last=last,
         vocab_dp=vocab_dp(m, p),
     )
+    n_moe = moe_layer_count(m, layers) if p.tp > 1 else 0
+    if not n_moe:
+        return vol
+    fwd, bwd = (n_moe * b for b in btp_moe_block_extra(m, tokens, act))
+    again = fwd if p.act_ckpt == "block" else 0
+    return replace(vol, fwd=vol.fwd + fwd, bwd=vol.bwd + bwd, recompute=vol.recompute + again)

@@ -66,11 +66,13 @@ from boostlr.analysis.memory import (
     stage_modules,
 )
 from boostlr.analysis.moe import (
+    btp_moe_activation_extra,
     buffer_bytes,
     dense_mlp_activation,
     ep_micro_bytes,
     expert_grad_bytes,
     moe_mlp_activation,
+    tp_summed_grad_elements,
 )
 from boostlr.analysis.moe_time import moe_comm_times, planned_moe_summary
 from boostlr.analysis.prediction import Prediction, planned_layout
@@ -140,9 +142,15 @@ def comm_metrics(cfg: RunConfig, pp_rank: int = 0, tp_rank: int = 0) -> dict[str
     pp_bytes = 0
     for layers, first, last in stage_modules(p, m.n_layers, pp_rank):
         if strategy is not None:
-            vol = stage_volume(m, p, strategy, tokens, a, len(layers), first, last)
+            vol = stage_volume(m, p, strategy, tokens, a, layers, first, last)
             for k, v in vol.metrics(mb * steps).items():
                 tp[k.removeprefix("comm_tp_")] += v
+            # BTP's MoE gradients: summed over tp once per optimizer step, in one call.
+            summed = FP32 * tp_summed_grad_elements(m, p, layers)
+            if summed:
+                tp["bytes"] += summed
+                tp["bytes_bwd"] += summed
+                tp["calls"] += 1
         if p.pp > 1:
             sent = pp_send_bytes(m, strategy, p.tp, tokens, mb, first, last, a, layers)
             pp_bytes += steps * sent
@@ -251,7 +259,10 @@ def memory_breakdown(cfg: RunConfig, hw: HardwareProfile | None, pp_rank: int) -
         acts += activation_bytes_per_block(m, strategy, p.tp, tokens, a, "none")
     if is_moe(m):
         # MoE blocks keep their experts' tensors instead of the dense MLP's
-        moe = moe_mlp_activation(m, tokens, a, p.ep, p.dp) - dense_mlp_activation(m, tokens, a)
+        if p.tp > 1 and strategy is not None:  # BTP's MoE block: each rank's token share
+            moe = btp_moe_activation_extra(m, tokens, a, p.ep, p.dp, p.tp)
+        else:
+            moe = moe_mlp_activation(m, tokens, a, p.ep, p.dp) - dense_mlp_activation(m, tokens, a)
         n_moe = sum(moe_layer_count(m, ls) for ls, _, _ in stages)
         acts += max(0.0, moe) if p.act_ckpt != "none" else moe * n_moe * held
         out["buffers"] = float(sum(buffer_bytes(m, ls) for ls, _, _ in stages))

@@ -111,7 +111,8 @@ def block_gemms(
     (an MoE block's on one of ``ep`` expert-parallel ranks)."""
     if is_moe_layer(cfg, layer):
         dense = block_gemms(replace(cfg, moe_experts=0), strategy, tp, batch, seq, layer, grouping)
-        return [g for g in dense if _outside_moe(cfg, g.name)] + moe_gemms(cfg, batch * seq, ep)
+        t = tp if strategy else 1
+        return [g for g in dense if _outside_moe(cfg, g.name)] + moe_gemms(cfg, batch * seq, ep, t)
     T, t = batch * seq, tp
     shapes = linear_shapes(cfg)
     names = tuple(shapes)
@@ -161,18 +162,25 @@ def _outside_moe(cfg: ModelConfig, name: str) -> bool:
     return latent_dispatch(cfg) and part.startswith("G") and linear != "down_proj"
 
 
-def moe_gemms(cfg: ModelConfig, tokens: int, ep: int = 1) -> list[Gemm]:
+def moe_gemms(cfg: ModelConfig, tokens: int, ep: int = 1, tp: int = 1) -> list[Gemm]:
     """An MoE MLP's forward GEMMs on one rank: the router, the shared outer factors
     (``latent``), each local routed expert on its balanced share of the copies
-    (:func:`~boostlr.analysis.moe.expert_rows`), and the shared experts on every token."""
-    T, d, r, f = tokens, cfg.dim, cfg.rank or 0, cfg.moe_ffn_dim or 0
-    n, s, rows = cfg.moe_experts // ep, cfg.moe_shared, expert_rows(cfg, tokens, ep)
+    (:func:`~boostlr.analysis.moe.expert_rows`), and the shared experts on every token.
+    Under BTP (``tp > 1``) the router and the outer factors read or write the rank's
+    ``d / tp`` slice, and the experts run on its ``T / tp`` share of the tokens."""
+    T, r, f = tokens, cfg.rank or 0, cfg.moe_ffn_dim or 0
+    d = cfg.dim // tp
+    share = T // tp
+    n, s, rows = cfg.moe_experts // ep, cfg.moe_shared, expert_rows(cfg, share, ep)
     out = [Gemm("router", T, d, cfg.moe_experts)]
     if latent_dispatch(cfg):
         out += [Gemm("moe.A_gate_up", T, d, r, 2), Gemm("moe.B_down", T, r, d)]
         out += [Gemm("experts.B_gate_up", rows, r, f, 2 * n), Gemm("experts.A_down", rows, f, r, n)]
         if s:
-            out += [Gemm("shared.B_gate_up", T, r, f, 2 * s), Gemm("shared.A_down", T, f, r, s)]
+            out += [
+                Gemm("shared.B_gate_up", share, r, f, 2 * s),
+                Gemm("shared.A_down", share, f, r, s),
+            ]
         return out
     for name, m, count in (("experts", rows, n), ("shared", T, s)):
         if not count:

@@ -2,10 +2,11 @@
 
 An MoE block trains under data parallelism, expert parallelism (``parallel.ep`` ranks carved
 out of dp), a pipeline and BTP (latent dispatch); the cost model prices it on the
-single-device block (``boostlr plan`` refuses MoE at ``tp > 1`` until it has a BTP MoE
-block). What the facts of an MoE model are (its blocks, what a routed copy carries, its
-expert parameters) is :mod:`boostlr.specs.moe`'s; what differs from a dense block, and is
-counted here:
+single-device block, and under BTP by what differs there (:func:`btp_moe_block_extra`,
+:func:`tp_summed_grad_elements`, :func:`btp_moe_activation_extra`; each TP rank's share
+of the tokens over ep and through the experts). What the facts of an MoE model are (its
+blocks, what a routed copy carries, its expert parameters) is :mod:`boostlr.specs.moe`'s;
+what differs from a dense block, and is counted here:
 
 * **Traffic over ep.** Per MoE layer and micro-batch, ``dropless_ep`` all-gathers the
   ``[ep, E/ep]`` int64 counts (forward only; every rank needs the whole matrix for the
@@ -87,6 +88,39 @@ def ep_layer_bytes(m: ModelConfig, tokens: int, act: int, ep: int = 1) -> tuple[
     return payload + ep * m.moe_experts * COUNT_BYTES, payload
 
 
+def btp_moe_block_extra(m: ModelConfig, tokens: int, act: int) -> tuple[int, int]:
+    """(forward, backward) tp bytes an MoE block under BTP moves beyond a dense BTP block,
+    per micro-batch of ``tokens`` tokens (``parallel/btp_moe.py``; the same calls).
+
+    Forward: the router's ``[T, E]`` partial logits ride in the readers' all-reduce; the
+    combined ``[T, r]`` results are all-gathered where a dense block all-reduces ``[T, r]``
+    (the same bytes). Backward: the latents' and logits' gradients ``[T, 2r + E]`` are
+    summed in one fp32 all-reduce (their joint dtype: the normalised latents are fp32)
+    where a dense block's readers sum ``[T, 2r]`` in ``act``; the gather's reduce-scatter
+    replaces the down-projection's ``[T, r]``."""
+    T, r, E = tokens, m.rank or 0, m.moe_experts
+    return T * E * act, T * (2 * r + E) * FP32 - 2 * T * r * act
+
+
+def tp_summed_grad_elements(m: ModelConfig, p: ParallelConfig, layers: range) -> int:
+    """Elements of the MoE gradients BTP sums over tp once per step on one rank (dp rank 0:
+    FSDP's first chunk is the largest), for the MoE blocks among ``layers``
+    (``btp_moe.sum_moe_grads_over_tp``): each router ``[E, d]`` and the shared experts,
+    FSDP-sharded over dp; the routed experts, over dp at ep 1, else this ep rank's
+    ``E / ep`` sharded over dp_rep."""
+    if p.tp <= 1:
+        return 0
+
+    def rows(n: int, over: int) -> int:
+        return -(-n // over)  # torch.chunk's first chunk, as FSDP2 shards dim 0
+
+    per_expert = expert_params(m)
+    routed = rows(m.moe_experts // p.ep, dp_rep(p)) if p.ep > 1 else rows(m.moe_experts, p.dp)
+    router = rows(m.moe_experts, p.dp) * m.dim
+    per_layer = router + (routed + rows(m.moe_shared, p.dp)) * per_expert
+    return moe_layer_count(m, layers) * per_layer
+
+
 def ep_layer_calls(m: ModelConfig) -> tuple[int, int]:
     """(forward, backward) collectives of one MoE layer and micro-batch: the count
     all-gather (dropless only), dispatch and combine; their two reverses."""
@@ -94,10 +128,11 @@ def ep_layer_calls(m: ModelConfig) -> tuple[int, int]:
 
 
 def ep_micro_bytes(m: ModelConfig, p: ParallelConfig, tokens: int, act: int) -> int:
-    """One rank's ep bytes for one micro-batch (forward, backward, re-forward)."""
+    """One rank's ep bytes for one micro-batch (forward, backward, re-forward); under BTP
+    each TP rank dispatches its ``1/tp`` share of the tokens."""
     if p.ep <= 1:
         return 0
-    fwd, bwd = ep_layer_bytes(m, tokens, act, p.ep)
+    fwd, bwd = ep_layer_bytes(m, tokens // max(1, p.tp), act, p.ep)
     again = fwd if p.act_ckpt == "block" else 0
     return moe_layer_count(m, range(m.n_layers)) * (fwd + bwd + again)
 
@@ -261,6 +296,28 @@ def moe_mlp_activation(m: ModelConfig, tokens: int, act: int, ep: int = 1, dp: i
     if s and act < FP32:  # the token's bf16 cast, which the shared experts' GEMMs keep
         out += T * d * act
     return float(out)
+
+
+def btp_moe_activation_extra(
+    m: ModelConfig, tokens: int, act: int, ep: int, dp: int, tp: int
+) -> float:
+    """Bytes one MoE block under BTP keeps beyond a dense BTP block, per micro-batch of
+    ``tokens`` (an estimate, as :func:`moe_mlp_activation`): the dense block's MLP
+    products over ``f / tp`` go; the router's fp32 scores of every token (every TP rank
+    routes all of them) and of its share come; the routed copies and shared experts of the
+    rank's ``T / tp`` share keep :func:`moe_mlp_activation`'s per-row tensors. The latents
+    (replicated) and ``B_d``'s ``[T, r]`` input are what the dense block's are."""
+    T, share, k, r, f = tokens, tokens // tp, m.moe_top_k, m.rank or 0, m.moe_ffn_dim or 0
+    prod = 4 if m.mlp_form == "swiglu" else 3
+    sigma = 1 if arch_spec(m.arch).latent_activation else 0
+    copies = share * k
+    dense = prod * T * (m.ffn_dim // tp) * act
+    out = 3 * (T + share) * m.moe_experts * FP32 + copies * (2 * COUNT_BYTES + 2 * FP32)
+    per_row = (f * prod + r * sigma) * act
+    out += copies * (2 * r * act + per_row + 2 * r * act) + m.moe_shared * share * per_row
+    if act < FP32:
+        out += expert_weight_casts(m, act, ep, dp)
+    return float(out - dense)
 
 
 def received_rows(m: ModelConfig, p: ParallelConfig, tokens: int) -> int:

@@ -26,7 +26,8 @@ def planned_moe_summary(
     if p.act_ckpt == "none":
         layers = sum(moe_layer_count(m, ls) for ls, _, _ in stage_modules(p, m.n_layers, 0))
         held = layers * in_flight(p, 0)
-    tokens = cfg.train.batch_size * cfg.data.seq_len
+    # The tokens a rank dispatches: under BTP its TP rank's share of the micro-batch.
+    tokens = cfg.train.batch_size * cfg.data.seq_len // p.tp
     ep_bytes = metrics["comm_ep_bytes"]
     return moe_summary(m, p, ep_bytes, tokens, act_size(cfg), held, memory, hw.memory)
 

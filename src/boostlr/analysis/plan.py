@@ -96,12 +96,10 @@ def moe_families(cfg: RunConfig) -> list[tuple[str, str]]:
 
 def moe_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     """One prediction per :func:`moe_families` row, each validated as the trainer would."""
-    if cfg.parallel.tp > 1:  # the trainer runs BTP's MoE block; the cost model does not yet
-        raise ConfigError(
-            f"boostlr plan does not model MoE blocks under parallel.tp > 1 yet (got tp "
-            f"{cfg.parallel.tp}): plan at parallel.tp 1 (docs/moe.md, Tensor parallelism)"
-        )
-    return [predict(moe_variant(cfg, a, d), hw) for a, d in moe_families(cfg)]
+    families = moe_families(cfg)
+    if cfg.parallel.tp > 1:  # BTP runs the latent dispatch only (config/validate_moe.py)
+        families = [(a, d) for a, d in families if d == LATENT.name]
+    return [predict(moe_variant(cfg, a, d), hw) for a, d in families]
 
 
 def moe_variant(cfg: RunConfig, arch: str, dispatch: str) -> RunConfig:
@@ -177,8 +175,6 @@ def candidates(cfg: RunConfig, hw: HardwareProfile, gpus: int) -> tuple[list[Can
     tried = 0
     found: list[Candidate] = []
     for tp in (k for k in _divisors(gpus) if k <= gpn):
-        if m.moe_experts and tp > 1:  # no BTP MoE block in the cost model yet (moe_rows)
-            continue
         for pp in (k for k in _divisors(gpus // tp) if k <= m.n_layers):
             dp = gpus // (tp * pp)
             if global_batch % (t.batch_size * dp):

@@ -339,11 +339,11 @@ class ParallelConfig:
     ep_receive_factor: float = 2.0
     """At ``ep > 1`` with dropless dispatch (``model.moe_capacity 0``), the most routed
     copies one rank's experts take per MoE layer and micro-batch, over the balanced load:
-    ``ceil(ep_receive_factor x T x moe_top_k)`` rows (``T`` tokens per rank). Every rank
-    computes every rank's share from the exchanged counts and drops the same copies past it
-    (later choices and later tokens first, counted in ``moe_dropped``), so a hot expert
-    cannot make one rank run out of memory. 0 = no bound; otherwise at least 1. A capacity
-    bounds the receive by itself; ignored at ep 1."""
+    ``ceil(ep_receive_factor x T x moe_top_k)`` rows (``T`` tokens per rank; at tp > 1
+    its TP rank's share). Every rank computes every rank's share from the exchanged counts
+    and drops the same copies past it (later choices and later tokens first, counted in
+    ``moe_dropped``), so a hot expert cannot make one rank run out of memory. 0 = no bound;
+    otherwise at least 1. A capacity bounds the receive by itself; ignored at ep 1."""
     pp: int = 1
     """Pipeline-parallel degree (ranks); at most ``model.n_layers``, which it must divide
     (times ``pp_virtual`` under ``interleaved``)."""

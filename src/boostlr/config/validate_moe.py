@@ -119,11 +119,6 @@ def _validate_tp(m: ModelConfig, p: ParallelConfig, dispatch: DispatchSpec) -> N
             f"model.moe_capacity ({m.moe_capacity}) is not supported with parallel.tp > 1 "
             "yet (each TP rank would drop over its own share): drop --model.moe_capacity"
         )
-    if p.tp > 1 and p.ep > 1:
-        raise ConfigError(
-            f"parallel.ep {p.ep} is not supported with parallel.tp > 1 yet: use "
-            "--parallel.ep 1 or --parallel.tp 1"
-        )
 
 
 def _validate_ep(m: ModelConfig, p: ParallelConfig, compile: bool) -> None:

@@ -8,12 +8,18 @@ no collective. Every TP rank then holds the same logits, top-k and latents ``z``
 dispatches only its ``1/tp`` share of the tokens, and the combined r-wide results are
 all-gathered over TP before ``B_d``'s local slice writes the rank's residual slice.
 
+With expert parallelism (``ep`` carved out of dp) the share goes to the ep peers of the
+same TP rank (the ep group is cut at a fixed TP coordinate), so no token crosses the ep group
+twice; each ep rank holds ``E / ep`` experts on every TP rank.
+
 Gradients: the latents and logits of the shares meet in one all-reduce backward (as the
 dense readers' latents do); the gather's backward reduce-scatters ``B_d``'s partial input
-gradients. The experts (whole on every TP rank) and the router (whole, used by its d-slice)
-see different tokens (or columns) on each rank, so their gradients are summed over TP by
-identity-forward, all-reduce-backward copies of their weights: one all-reduce for the router,
-one per expert group (routed, shared).
+gradients. The experts (routed and shared, whole over TP) and the router (whole, used by its
+d-slice) see different tokens (or columns) on each rank, so each TP rank's gradient is a
+partial sum. The sum is linear, so it waits for the step's end: :func:`sum_moe_grads_over_tp`
+adds them over TP once per step, on the accumulated fp32 gradients (after FSDP's
+reduction), in one all-reduce, like sequence-parallel norm weights: not once per
+micro-batch on the compute dtype's gradients.
 """
 
 from __future__ import annotations
@@ -21,11 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
+from torch.distributed.tensor import DTensor
 
-from boostlr.models.moe import Latents, MoEMLP
-from boostlr.models.moe_dispatch import ExpertFn
-from boostlr.models.params import local
+from boostlr.models.moe import Latents, MoEMLP, moe_layers
+from boostlr.models.params import forward_dtype, local
 from boostlr.models.placement import chunk_range
 from boostlr.parallel.collectives import (
     GroupComm,
@@ -38,13 +43,14 @@ from boostlr.parallel.context import TPContext
 #: Ledger tags of the MoE block's own collectives.
 LATENT_TAG = "moe.latent"  # backward: the shares' latent and logit gradients summed
 COMBINED_TAG = "moe.combined"  # forward all-gather of [T/tp, r]; backward reduce-scatter
-GRAD_TAG = "moe.weight_grads"  # backward: expert and router weight gradients summed
+GRAD_TAG = "moe.weight_grads"  # once per step: expert and router weight gradients summed
 
 
 def read_downs(moe: MoEMLP, ctx: TPContext) -> list[Tensor]:
     """The MLP norm's down-projections: ``A_g``, ``A_u`` (d-slices) and the router's columns
-    of this rank's d-slice, whose gradient is summed over TP (each rank fills its columns)."""
-    router = copy_to_group(local(moe.router.weight), ctx.comm, f"{GRAD_TAG}.router")
+    of this rank's d-slice, whose gradient is summed over TP once per step (each rank fills
+    its columns: :func:`sum_moe_grads_over_tp`)."""
+    router = local(moe.router.weight)
     start, end = chunk_range(router.shape[-1], ctx.comm.rank, ctx.comm.size)
     return [local(moe.gate_proj.down.weight), local(moe.up_proj.down.weight), router[:, start:end]]
 
@@ -78,55 +84,52 @@ def mlp_forward(
     share = tokens // comm.size
     mine = joined[comm.rank * share : (comm.rank + 1) * share]
     route = moe.router.select(mine[:, width:])
-    pay = mine[:, :width].to(payload.dtype)
-    out = moe.routed(pay, route, _summed_over_tp(moe.experts, ctx, "experts"))
+    # In the compute dtype, as the one device's latents (its A_g, A_u are autocast GEMMs):
+    # what the experts' GEMMs read anyway, and half the bytes the ep all-to-all sends under
+    # bf16 (the normalised latents here are fp32).
+    pay = mine[:, :width].to(forward_dtype(payload))
+    out = moe.routed(pay, route)
     if hasattr(moe, "shared"):
-        out = out + _summed_over_tp(moe.shared, ctx, "shared")(pay, None).sum(0)
+        out = out + moe.shared(pay, None).sum(0)
     full = gather_from_group(out, comm, COMBINED_TAG, dim=0, grad="reduce_scatter")
     y = F.linear(full, local(moe.down_proj.up.weight)).reshape(*lead, -1)
     return x + moe.account(y, route_all, lead), z
 
 
-class _SumGradsOverTP(torch.autograd.Function):
-    """Identity on several weights; the backward sums all their gradients over TP in one
-    all-reduce (flattened and concatenated: the same shape on every rank)."""
-
-    @staticmethod
-    def forward(ctx, comm: GroupComm, tag: str, *weights: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.comm, ctx.tag = comm, tag
-        ctx.shapes = [w.shape for w in weights]
-        return tuple(w.view_as(w) for w in weights)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        sample = next(g for g in grads if g is not None)
-        flat = torch.cat(
-            [
-                (sample.new_zeros(shape) if g is None else g).reshape(-1)
-                for g, shape in zip(grads, ctx.shapes, strict=True)
-            ]
-        )
-        summed = PendingAllReduce(ctx.comm, ctx.tag).finish(flat)
-        sizes = [shape.numel() for shape in ctx.shapes]
-        parts = summed.split(sizes)
-        return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
+def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    """The MoE parameters whose gradient each TP rank holds a part of: every MoE layer's
+    router, routed and shared experts (whole over TP, used on the rank's share or d-slice)."""
+    return [
+        p
+        for layer in moe_layers(model)
+        for part in (layer.router, layer.experts, getattr(layer, "shared", None))
+        if part is not None
+        for p in part.parameters()
+        if p.requires_grad
+    ]
 
 
-def _summed_over_tp(experts: nn.Module, ctx: TPContext, name: str) -> ExpertFn:
-    """``experts`` whose weight gradients are summed over TP (each rank ran other tokens):
-    one backward all-reduce for all of them."""
-    if ctx.comm.size == 1:
-        return experts
-    keys, params = zip(*experts.named_parameters(), strict=True)
-    summed = _sum_grads_over_tp(ctx.comm, f"{GRAD_TAG}.{name}", *(local(p) for p in params))
-    weights = dict(zip(keys, summed, strict=True))
-    return lambda x, e: functional_call(experts, weights, (x, e))
+@torch.no_grad()
+def sum_moe_grads_over_tp(model: nn.Module, comm: GroupComm) -> None:
+    """Sum over TP the MoE gradients each TP rank holds a part of (:func:`tp_partial_params`):
+    one fp32 all-reduce of their local gradients, flattened and concatenated.
 
-
-@torch.compiler.disable
-def _sum_grads_over_tp(comm: GroupComm, tag: str, *weights: Tensor) -> tuple[Tensor, ...]:
-    """:class:`_SumGradsOverTP` outside any compiled graph (a collective is a boundary)."""
-    return _SumGradsOverTP.apply(comm, tag, *weights)
+    Call once per step, after the last backward (and FSDP's reduction, which is linear, so
+    the order does not matter) and before clipping. The TP ranks of one (pp, dp) coordinate
+    hold the same layers, the same shards of them (FSDP's dp shard, the ep rank's experts)
+    and the same gradients present (each weight stack is one parameter that every training
+    forward uses), so the buffer has one shape on all of them by construction.
+    """
+    if comm.size == 1:
+        return
+    grads = [p.grad for p in tp_partial_params(model) if p.grad is not None]
+    if not grads:
+        return
+    parts = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1).float() for g in parts])
+    summed = PendingAllReduce(comm, GRAD_TAG).finish(flat)
+    for g, s in zip(parts, summed.split([g.numel() for g in parts]), strict=True):
+        g.copy_(s.view_as(g))
 
 
 def _own(latent: Tensor | None) -> Tensor | None:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from boostlr.config import RunConfig
+from boostlr.parallel.btp_moe import sum_moe_grads_over_tp
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.expert_parallel import (
     clip_grads_with_norm,
@@ -133,13 +134,17 @@ class ParallelModel:
         return value.reshape(())
 
     def reduce_expert_gradients(self) -> None:
-        """Make every routed-expert shard's gradient the dp mean, as FSDP makes the others'.
+        """Finish the MoE gradients the backward leaves partial, once per step.
 
-        The all-to-all's backward leaves each shard its ep group's sum; the replicas over
-        ``dp_rep`` still differ. Call once per step, after the last micro-batch's backward
-        and before :meth:`clip_gradients`; at ep 1 it issues no collective.
+        Under BTP at tp > 1 each TP rank's router and expert gradients cover its own share
+        of the tokens: one fp32 all-reduce over tp sums them
+        (:func:`~boostlr.parallel.btp_moe.sum_moe_grads_over_tp`). At ep > 1 the all-to-all's
+        backward leaves each expert shard its ep group's sum, made the dp mean here (or by
+        FSDP over ``dp_rep``). Call once per step, after the last micro-batch's backward
+        and before :meth:`clip_gradients`; at tp 1 and ep 1 it issues no collective.
         """
         for part in self.stages:
+            sum_moe_grads_over_tp(part.model, self.comms.tp)
             reduce_expert_grads(part.model, self.comms)
 
     def clip_gradients(self, max_norm: float) -> Tensor:

@@ -75,9 +75,10 @@ class MoESteps:
 
         What the layers recorded since :meth:`begin_step` goes into one
         ``[n_layers, E + 2 | forwards, spread, held, aux, bias]`` table, each rank writing
-        its own layers' rows (zeros for the others): summed over dp (the counts), then over
-        pp, so every rank, a stage without an MoE layer too, enters collectives of one
-        shape; then one host copy. Call it on log steps only, on every rank.
+        its own layers' rows (zeros for the others): summed over dp (the counts; the dropped
+        copies over tp too at ep x tp), then over pp, so every rank, a stage without an MoE
+        layer too, enters collectives of one shape; then one host copy. Call it on log steps
+        only, on every rank.
         """
         m = self.cfg.model
         width = m.moe_experts + 2
@@ -94,6 +95,12 @@ class MoESteps:
             extra[i, BIAS] = float(layer.router.balance.selection_bias)
         if self.comms.dp.size > 1:
             dist.all_reduce(counts, group=self.comms.dp.group)
+        if self.comms.tp.size > 1 and self.comms.ep.size > 1:
+            # Under BTP each TP rank dispatches its own share of the tokens, so each drops
+            # its own copies past the receive bound; the loads are the whole micro-batch's.
+            dropped = counts[:, m.moe_experts].contiguous()
+            dist.all_reduce(dropped, group=self.comms.tp.group)
+            counts[:, m.moe_experts] = dropped
         table = torch.cat([counts, extra], dim=1)
         if self.comms.pp.size > 1:
             dist.all_reduce(table, group=self.comms.pp.group)

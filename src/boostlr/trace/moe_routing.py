@@ -51,7 +51,8 @@ def balanced_routing(cfg: RunConfig) -> Iterator[None]:
         return
     import importlib
 
-    copies = cfg.train.batch_size * cfg.data.seq_len * m.moe_top_k  # one micro-batch (pp 1)
+    # One micro-batch (pp 1); under BTP each TP rank dispatches its 1/tp share of it.
+    copies = cfg.train.batch_size * cfg.data.seq_len // cfg.parallel.tp * m.moe_top_k
     sent = balanced_counts(copies, m.moe_experts)
 
     def host_counts(counts: torch.Tensor) -> list[int]:
