@@ -36,13 +36,15 @@ def uninterrupted(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory)
     return train_rows(run)
 
 
+# Every crash point leaves the survivor as the newest verified checkpoint; a resume from it
+# (a launch more, CI's time) is checked at the two ends of the save.
 @pytest.mark.parametrize(
-    ("point", "survivor"),
+    ("point", "survivor", "resume"),
     [
-        ("ckpt_before_shards:4@1", 2),  # rank 1 dies before writing its shards
-        ("ckpt_after_shards:4@0", 2),  # all shards written, no meta.json yet
-        ("ckpt_before_rename:4@0", 2),  # meta.json written, still in the temp dir
-        ("ckpt_before_dir_fsync:4@0", 4),  # renamed: the new checkpoint is complete
+        ("ckpt_before_shards:4@1", 2, True),  # rank 1 dies before writing its shards
+        ("ckpt_after_shards:4@0", 2, False),  # all shards written, no meta.json yet
+        ("ckpt_before_rename:4@0", 2, False),  # meta.json written, still in the temp dir
+        ("ckpt_before_dir_fsync:4@0", 4, True),  # renamed: the new checkpoint is complete
     ],
 )
 def test_sigkill_during_a_save_keeps_a_valid_checkpoint(
@@ -52,6 +54,7 @@ def test_sigkill_during_a_save_keeps_a_valid_checkpoint(
     uninterrupted: dict,
     point: str,
     survivor: int,
+    resume: bool,
 ) -> None:
     run = tmp_path / "run"
     monkeypatch.setenv("BOOSTLR_CRASH_AT", point)
@@ -60,6 +63,8 @@ def test_sigkill_during_a_save_keeps_a_valid_checkpoint(
     monkeypatch.delenv("BOOSTLR_CRASH_AT")
     newest, corrupted = newest_verified_checkpoint(run / "checkpoints")
     assert newest is not None and newest.step == survivor and not corrupted
+    if not resume:
+        return
     trainer.train(build_config(run / "config.toml"), run, resume=True, console=False)
     assert train_rows(run) == uninterrupted
     assert [c.step for c in list_checkpoints(run / "checkpoints")] == [2, 4, 6]

@@ -68,8 +68,9 @@ def test_pp2_tp2_checkpoint_resumes_at_every_other_layout(
     trainer.train(run_config(small_dataset, **layout(2, 1, 2)), source, console=False)
     assert list_checkpoints(source / "checkpoints")[-1].meta["layout"]["pp"] == 2
     expected = train_rows(source)
+    # No tp 4 target (CI's time): tp shards are re-cut by one_process (tp 2 -> 1) and by the
+    # vanilla -> btp test below; pp 2 -> 1 by dp2_tp2 and one_process.
     for name, (pp, dp, tp) in {
-        "tp4": (1, 1, 4),
         "dp2_tp2": (1, 2, 2),
         "pp2_dp2": (2, 2, 1),
         "one_process": (1, 1, 1),
