@@ -81,6 +81,10 @@ def variant_config(args: argparse.Namespace, arch: str, dispatch: str, ep: int, 
         "train.batch_size": args.batch // dp,
         "parallel.dp": dp,
         "parallel.ep": ep,
+        # Unbounded dropless: every variant moves every routed copy, the formula's bytes. The
+        # receive bound (parallel.ep_receive_factor, default 2) binds at ep 4 with E 8, top 2,
+        # and would drop other copies in each variant.
+        "parallel.ep_receive_factor": 0,
         "parallel.device": "cpu",
     }
     if arch != "full":
