@@ -46,11 +46,16 @@ class DpModeChoice:
     @property
     def limit(self) -> float:
         """The most bytes ``ddp``'s planned peak may take."""
-        return (1.0 - MEMORY_MARGIN) * self.memory
+        return memory_limit(self.memory)
 
     def line(self) -> str:
         """The start-up line: which mode and why."""
         return f"parallel.dp_mode auto -> {self.mode}: {self.reason}"
+
+
+def memory_limit(memory: float) -> float:
+    """The most bytes ``ddp``'s planned peak may take of a device's ``memory``."""
+    return (1.0 - MEMORY_MARGIN) * memory
 
 
 def with_mode(cfg: RunConfig, mode: str) -> RunConfig:
@@ -85,7 +90,7 @@ def choose_dp_mode(
             speed[mode] = float(
                 max(comm_metrics(variant, r)["comm_dp_bytes"] for r in {0, cfg.parallel.pp - 1})
             )
-    limit = (1.0 - MEMORY_MARGIN) * memory
+    limit = memory_limit(memory)
     unit = "s step" if hw is not None else " dp bytes a step"
     figures = f"{speed['ddp']:.4g}{unit} vs fsdp's {speed['fsdp']:.4g}"
     budget = (

@@ -14,7 +14,6 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from boostlr.analysis.dp_choice import mode_held_bytes
 from boostlr.data.loader import ValidationSet
 from boostlr.faults import crash_point
 from boostlr.models.counting import flops_per_token
@@ -60,13 +59,7 @@ def metrics_row(
         **{f"comm_{g}_time_s": comm[g] for g in groups if g != "dp_rep"},
         # CUDA FSDP streams may overlap compute: never report negative compute.
         "compute_time_s": max(0.0, step_time - sum(comm.values())),
-        **memory_row(
-            state.model.parameters(),
-            state.optimizer,
-            state.device,
-            phases,
-            mode_held_bytes(cfg, model.comms.pp.rank, model.comms.tp.rank),
-        ),
+        **memory_row(state.model.parameters(), state.optimizer, state.device, phases),
     }
     peak = peak_flops(state.device, cfg.train.dtype)
     if peak:  # MFU: the job's model FLOP/s over the peak of all its devices

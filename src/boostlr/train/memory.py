@@ -168,6 +168,9 @@ class MemoryPhases:
         self.device, self.path, self.allocator = device, path, allocator
         self.rows: dict[str, dict[str, float]] = {}
         self.held: dict[str, float] = {}
+        # Bytes each dp mode holds by construction beyond the shards, set once by the trainer
+        # (:func:`boostlr.analysis.dp_choice.mode_held_bytes`): a fact of the layout.
+        self.mode_held: dict[str, float] = {}
         self.runtime_mb = device_now_mb(device)
         reader = (
             allocated_bytes_reader() if path is not None and platform_for(device).is_host else None
@@ -232,16 +235,14 @@ def memory_row(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     phases: MemoryPhases,
-    mode_held: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """A metrics row's memory: this rank's tensors, its peak and its floor (tensors plus the
-    start-up runtime), in MiB. ``mode_held``: the bytes each dp mode holds by construction
-    beyond the shards (:func:`boostlr.analysis.dp_choice.mode_held_bytes`); each mode's
-    floor, ``mem_floor_<mode>_mb``, is the floor plus its own (a ``ddp`` rank's peak is
-    held against ``mem_floor_ddp_mb``: its gathered stage is no growth)."""
+    start-up runtime), in MiB; with ``phases.mode_held``, each dp mode's floor too,
+    ``mem_floor_<mode>_mb``: the floor plus what that mode holds by construction (a ``ddp``
+    rank's peak is held against ``mem_floor_ddp_mb``: its gathered stage is no growth)."""
     held = held_tensor_mb(params, optimizer)
     phases.note_held(held)
     peak = max(peak_memory_mb(device), phases.peak_mb)
     floor = sum(held.values()) + phases.runtime_mb
-    per_mode = {f"mem_floor_{k}_mb": floor + v / MB for k, v in (mode_held or {}).items()}
+    per_mode = {f"mem_floor_{k}_mb": floor + v / MB for k, v in phases.mode_held.items()}
     return {**held, "peak_mem_mb": peak, "mem_floor_mb": floor, **per_mode}

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from boostlr.analysis.dp_choice import mode_held_bytes
 from boostlr.config import RunConfig, freeze, from_dict, resolve, to_dict
 from boostlr.data import BatchLoader, TokenDataset, default_dataset, val_batches
 from boostlr.data.loader import split_validation
@@ -319,6 +320,7 @@ def _train_rank(
         writer = CheckpointWriter.on_group(
             checkpoints_dir(run_dir), rank, ckpt_group, t.keep_checkpoints, t.async_ckpt, device
         )
+        phases.mode_held = mode_held_bytes(cfg, model.comms.pp.rank, model.comms.tp.rank)
         state = RunState(
             cfg, run_dir, model, optimizer, loader, val_data, device, writer, rank, phases
         )
