@@ -14,9 +14,12 @@ through the export's remote code). Per model, after one warm-up batch:
 
 Then the ratios to ``full`` (and CoLA-MoE's to dense MoE's), and the issue's goal: CoLA's
 throughput at least 1.3x full's. The engines run eagerly (``enforce_eager``: no
-torch.compile, whose CPU compile takes minutes per model). Models are measured one after
-another (one engine at a time, as a server runs), so load on the machine from other
-processes shifts them; ``uptime`` is printed before and after.
+torch.compile, whose CPU compile takes minutes per model). One engine runs at a time
+(as a server runs); the models take turns over ``--rounds`` rounds, each a fresh engine, and
+each figure is the median over the rounds, so load on the machine shifts them alike;
+``uptime`` is printed before and after. ``full`` is served twice: on vLLM's own LLaMA code
+(what a user gets) and on the Transformers backend (``model_impl="transformers"``), the
+backend the bottleneck models run on, which separates the arch from the backend.
 
     /path/to/vllm-venv/bin/python benchmarks/serve.py            # d 512, 4 blocks, batch 16
     /path/to/vllm-venv/bin/python benchmarks/serve.py --quick    # tiny: a check, not a result
@@ -39,6 +42,7 @@ from typing import Any
 # label, arch, extra model overrides
 MODELS: list[tuple[str, str, dict[str, str]]] = [
     ("full", "full", {}),
+    ("full (Transformers backend)", "full", {}),
     ("cola", "cola", {}),
     ("lax", "lax", {}),
     ("dense MoE", "full", {"model.moe_dispatch": "hidden"}),
@@ -99,13 +103,14 @@ def write_export(root: Path, label: str, arch: str, extra: dict[str, str], s: di
     return export_checkpoint(writer.wait(), root / label / "export")
 
 
-def serve_one(export: Path, s: dict) -> dict[str, Any]:
+def serve_one(export: Path, s: dict, model_impl: str) -> dict[str, Any]:
     """Throughput and latency of one export in a vLLM engine (this process)."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     llm = LLM(
         str(export),
         trust_remote_code=True,
+        model_impl=model_impl,
         dtype="float32",
         max_model_len=s["prompt_len"] + s["new_tokens"] + 8,
         enforce_eager=True,
@@ -137,29 +142,42 @@ def serve_one(export: Path, s: dict) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="times each model is served, in turns (median)"
+    )
     parser.add_argument("--serve-one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
+    parser.add_argument("--model-impl", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_one:
-        print(json.dumps(serve_one(args.serve_one, json.loads(args.shape))))
+        print(json.dumps(serve_one(args.serve_one, json.loads(args.shape), args.model_impl)))
         return
     s = QUICK if args.quick else FULL
     print(f"shape: {s}")
     print(f"load before: {uptime()}")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    rows = {}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in MODELS}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, arch, extra in MODELS:
-            export = write_export(Path(tmp), label, arch, extra, s)
-            cmd = [sys.executable, __file__, "--serve-one", str(export), "--shape", json.dumps(s)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if done.returncode != 0:
-                raise SystemExit(f"{label}: vLLM failed\n{done.stderr[-4000:]}")
-            rows[label] = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"  {label}: {rows[label]}", flush=True)
+        exports = {
+            label: write_export(Path(tmp), label, arch, extra, s) for label, arch, extra in MODELS
+        }
+        for round_ in range(args.rounds):  # the models take turns: load hits them alike
+            for label, _, _ in MODELS:
+                impl = "transformers" if "Transformers backend" in label else "auto"
+                cmd = [sys.executable, __file__, "--serve-one", str(exports[label])]
+                cmd += ["--shape", json.dumps(s), "--model-impl", impl]
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+                if done.returncode != 0:
+                    raise SystemExit(f"{label}: vLLM failed\n{done.stderr[-4000:]}")
+                runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"  round {round_ + 1} {label}: {runs[label][-1]}", flush=True)
+    rows = {
+        label: {key: statistics.median(r[key] for r in results) for key in ("tok_s", "ms_tok")}
+        for label, results in runs.items()
+    }
     print(f"load after: {uptime()}")
-    ref = {label: "full" for label, _, _ in MODELS[:3]}
+    ref = {label: "full" for label, _, _ in MODELS[:4]}
     ref |= {"dense MoE": "dense MoE", "CoLA-MoE latent": "dense MoE"}
     print("\n| model | generated tok/s | vs ref | ms / token (batch 1) | vs ref |")
     print("|---|---|---|---|---|")
@@ -172,6 +190,8 @@ def main() -> None:
     ratio = rows["cola"]["tok_s"] / rows["full"]["tok_s"]
     verdict = "met" if ratio >= 1.3 else "NOT met"
     print(f"\ngoal CoLA >= 1.3x full's generated tok/s: {ratio:.2f}x, {verdict}")
+    same = rows["cola"]["tok_s"] / rows["full (Transformers backend)"]["tok_s"]
+    print(f"CoLA / full, both on the Transformers backend (the arch alone): {same:.2f}x")
 
 
 if __name__ == "__main__":

@@ -190,3 +190,35 @@ def test_the_plans_dp_bytes_follow_the_mode(mode: str) -> None:
     params = rank_params(flat.model, "btp", flat.parallel, 0)
     expected = fsdp_bytes(list(params.modules), 2, flat.train.grad_accum, True, 4)
     assert comm_metrics(flat)["comm_dp_bytes"] == expected + vocab_step_bytes(flat)
+
+
+def test_plan_rows_take_the_trainers_choice_on_the_profiles_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from boostlr.analysis.costmodel import predict
+    from boostlr.analysis.dp_choice import MODES
+    from boostlr.analysis.plan import families, strategy_rows, variant
+    from boostlr.cli.plan import print_dp_auto
+
+    cfg = _cfg(2, 2)  # tp 2 x pp 2 x dp 2, dp_mode left to auto
+    hw = load_profile("a100-80gb")
+    # A card too small to keep any stage gathered: every row is fsdp, whatever ddp's speed
+    # (the layout's default, which the rows showed before, is ddp).
+    small = dataclasses.replace(hw, memory=float(1 << 20))
+    for row in strategy_rows(cfg, small):
+        assert row.layout["dp_mode"] == "fsdp", row.arch
+        assert "is over" in row.layout["dp_mode_auto"]
+    # A card that holds both: each row runs the mode its own prediction has faster.
+    huge = dataclasses.replace(hw, memory=float(1 << 50))
+    rows = strategy_rows(cfg, huge)
+    for row, (arch, strategy) in zip(rows, families(cfg), strict=True):
+        same = variant(cfg, arch, strategy, row.layout["act_ckpt"])
+        times = {m: predict(with_mode(same, m), huge).step_time for m in MODES}
+        assert row.layout["dp_mode"] == min(times, key=times.__getitem__), (arch, times)
+        assert row.step_time == times[row.layout["dp_mode"]]
+    print_dp_auto(rows)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == len(rows) and all(x.startswith("parallel.dp_mode auto -> ") for x in said)
+    # An explicit mode is the row's, with nothing to explain.
+    fixed = strategy_rows(_cfg(2, 2, ("parallel.dp_mode", "ddp")), small)
+    assert all(r.layout["dp_mode"] == "ddp" and "dp_mode_auto" not in r.layout for r in fixed)

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass
 
 from boostlr.analysis.costmodel import Prediction, planning_config, predict
+from boostlr.analysis.dp_choice import choose_dp_mode, with_mode
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.config import (
     RunConfig,
@@ -80,9 +81,35 @@ def strategy_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     ckpt = cfg.parallel.act_ckpt
     base = "block" if ckpt == "lowrank" else ckpt
     return [
-        predict(variant(cfg, a, s, ckpt if ckpt in strategy_spec(s).act_ckpt else base), hw)
+        predict_as_trained(
+            variant(cfg, a, s, ckpt if ckpt in strategy_spec(s).act_ckpt else base), hw
+        )
         for a, s in families(cfg)
     ]
+
+
+def predict_as_trained(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
+    """The prediction for ``cfg`` in the data-parallel mode the trainer would run it in
+    (:func:`as_trained`); the row's layout then says which mode and why (``dp_mode_auto``)."""
+    trained, reason = as_trained(cfg, hw)
+    pred = predict(trained, hw)
+    if reason:
+        pred.layout["dp_mode_auto"] = reason
+    return pred
+
+
+def as_trained(cfg: RunConfig, hw: HardwareProfile) -> tuple[RunConfig, str]:
+    """(``cfg`` with ``parallel.dp_mode auto`` decided as the trainer decides it on a device
+    of ``hw``'s memory, the reason; ``""`` where the config or the layout decided).
+
+    Under a pipeline with dp the trainer takes the plan's choice
+    (:func:`~boostlr.analysis.dp_choice.choose_dp_mode`), so a row or a trace is the mode a
+    run on that device takes, not the layout's default.
+    """
+    if cfg.parallel.dp_mode != "auto" or not cfg.parallel.dp_mode_by_plan:
+        return cfg, ""
+    choice = choose_dp_mode(cfg, hw.memory, hw, f"the {hw.name} profile")
+    return with_mode(cfg, choice.mode), choice.reason
 
 
 def moe_families(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -99,7 +126,7 @@ def moe_rows(cfg: RunConfig, hw: HardwareProfile) -> list[Prediction]:
     families = moe_families(cfg)
     if cfg.parallel.tp > 1:  # BTP runs the latent dispatch only (config/validate_moe.py)
         families = [(a, d) for a, d in families if d == LATENT.name]
-    return [predict(moe_variant(cfg, a, d), hw) for a, d in families]
+    return [predict_as_trained(moe_variant(cfg, a, d), hw) for a, d in families]
 
 
 def moe_variant(cfg: RunConfig, arch: str, dispatch: str) -> RunConfig:

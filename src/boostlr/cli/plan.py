@@ -102,7 +102,8 @@ def run(args: argparse.Namespace, call: Call) -> None:
             from boostlr.trace.compare import trace_json
             from boostlr.trace.run import trace
 
-            traced = trace_json(cfg, hw, trace(cfg, args.trace_rank, args.trace_jobs))
+            traced_cfg = plan.as_trained(cfg, hw)[0]  # the dp_mode a run would take
+            traced = trace_json(traced_cfg, hw, trace(traced_cfg, args.trace_rank, args.trace_jobs))
         if args.json:
             out = plan_json(rows, hw, cfg)
             if traced is not None:
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace, call: Call) -> None:
             print(json.dumps(out, indent=2))
         else:
             print_rows(rows, hw, f"{cfg.model.preset} on {hw.name}")
+            print_dp_auto(rows)
             print_fixed(rows)
             if traced is not None:
                 from boostlr.trace.compare import format_trace
@@ -135,6 +137,15 @@ FIXED_TERMS = (  # (key of Prediction.fixed, label)
     ("dp_alpha_s", "dp α"),
     ("ep_alpha_s", "ep α"),
 )
+
+
+def print_dp_auto(rows: list) -> None:
+    """Which data-parallel mode ``auto`` takes in each row, and why (the trainer's rule)."""
+    for r in rows:
+        reason = r.layout.get("dp_mode_auto")
+        if reason:
+            name = f"{r.arch} {r.strategy or '(tp 1)'}"
+            print(f"parallel.dp_mode auto -> {r.layout['dp_mode']} ({name}): {reason}")
 
 
 def print_fixed(rows: list) -> None:

@@ -424,7 +424,8 @@ class ParallelConfig:
         """``dp_mode`` with ``auto`` decided by the layout alone: ``ddp`` under a pipeline,
         else ``fsdp``. A run's resolved config holds the plan's choice instead
         (:func:`boostlr.config.resolve.resolve`); this is what a config read without a
-        device (a plan row, a test's build) takes."""
+        device (a test's build) takes; ``boostlr plan`` applies the trainer's rule on the
+        profile's memory (:func:`boostlr.analysis.plan.predict_as_trained`)."""
         if self.dp_mode != "auto":
             return self.dp_mode
         return "ddp" if self.pp > 1 else "fsdp"
