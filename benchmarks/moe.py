@@ -89,6 +89,10 @@ def variant_config(args: argparse.Namespace, arch: str, dispatch: str, ep: int, 
     }
     if arch != "full":
         overrides["model.rank"] = args.rank
+    from boostlr.config.schema import ParallelConfig
+
+    if "ep_receive_factor" not in ParallelConfig.__dataclass_fields__:  # a --baseline-src
+        del overrides["parallel.ep_receive_factor"]  # tree from before the bound: unbounded
     return run_config(overrides)
 
 

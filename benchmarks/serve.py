@@ -148,11 +148,14 @@ def main() -> None:
     parser.add_argument("--serve-one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--model-impl", default="auto", help=argparse.SUPPRESS)
+    for key in ("dim", "ffn", "ffn_e", "batch"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {FULL[key]}")
     args = parser.parse_args()
     if args.serve_one:
         print(json.dumps(serve_one(args.serve_one, json.loads(args.shape), args.model_impl)))
         return
-    s = QUICK if args.quick else FULL
+    s = dict(QUICK if args.quick else FULL)
+    s |= {k: getattr(args, k) for k in ("dim", "ffn", "ffn_e", "batch") if getattr(args, k)}
     print(f"shape: {s}")
     print(f"load before: {uptime()}")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
