@@ -66,7 +66,8 @@ def _build_checks(rank: int, world: int, arch: str, ep: int, mode: str) -> dict[
     model.reduce_expert_gradients()
     ledger = model.comms.ledger.totals("ep")
     grads = {n: full_grad(p).clone() for n, p in model.named_parameters()}
-    norm = model.clip_gradients(0.0)  # the norm only: each expert shard counted once
+    with CollectiveCount() as count:
+        norm = model.clip_gradients(0.0)  # the norm only: each expert shard counted once
 
     ref_loss = ref(inputs, targets)
     ref_loss.backward()
@@ -78,15 +79,34 @@ def _build_checks(rank: int, world: int, arch: str, ep: int, mode: str) -> dict[
     assert set(grads) == set(single) and worst < bound, (worst, bound)
     ref_norm = torch.nn.utils.get_total_norm(list(single.values()))
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-    return {"experts": experts, "ep_calls": ledger["calls"]}
+    return {"experts": experts, "ep_calls": ledger["calls"], "norm_reductions": count.calls}
+
+
+class CollectiveCount:
+    """All-reduces issued inside the block, DTensor's (functional) and plain ones alike, as
+    the profiler records their ops."""
+
+    def __enter__(self) -> CollectiveCount:
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.profile.__exit__(*exc)
+        names = [e.name for e in self.profile.events()]
+        self.calls = names.count("c10d::allreduce_")  # under a functional one too
 
 
 @pytest.mark.parametrize(("dp", "ep", "mode"), [(2, 2, "fsdp"), (4, 2, "fsdp"), (4, 2, "ddp")])
 def test_build_and_one_step_equal_one_device(dp: int, ep: int, mode: str) -> None:
-    """``ddp``: the expert units stay gathered from forward to backward (ZeRO-2), as blocks."""
+    """``ddp``: the expert units stay gathered from forward to backward (ZeRO-2), as blocks.
+
+    The gradient norm takes one all-reduce per mesh: the dense gradients' over dp, and the
+    experts' over their ``dp_rep x ep`` ranks in one (DTensor alone runs one per mesh dim)."""
     got = run_distributed(_build_checks, dp, "cola", ep, mode, timeout_s=300)
     # 2 MoE blocks x 3 stacked latent-expert weights; the dispatch went over ep.
     assert all(r["experts"] == 6 and r["ep_calls"] > 0 for r in got)
+    assert all(r["norm_reductions"] == 2 for r in got), got
 
 
 def _expert_state(rank: int, world: int, ep: int) -> dict[str, int]:

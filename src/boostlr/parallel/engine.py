@@ -157,7 +157,7 @@ class ParallelModel:
         params = [p for p in self.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         if grads:
-            norm = total_grad_norm(grads)
+            norm = total_grad_norm(grads, self.comms.dp.group if self.comms.ep.size > 1 else None)
         else:
             norm = torch.zeros((), device=self.device)
         if self.comms.pp.size > 1:  # each stage holds different parameters

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -177,7 +178,9 @@ def clip_grads_with_norm(params: list[nn.Parameter], max_norm: float, norm: torc
         torch.nn.utils.clip_grads_with_norm_([params[i] for i in group], max_norm, norm)
 
 
-def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_grad_norm(
+    grads: list[torch.Tensor], flat: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The L2 norm of gradients that live on several meshes (FSDP's ``dp``, the experts'
     ``ep``), as a plain 0-d tensor.
 
@@ -185,9 +188,33 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     each mesh's gradients are normed together (a DTensor norm resolved over its mesh: an
     ep shard's experts counted once), then those norms are. On one mesh it is that mesh's
     norm, the same value as before there were two.
+
+    ``flat``: the group of the ranks of the experts' 2-D ``dp_rep x ep`` mesh (the ``dp``
+    group). Gradients sharded over both dims (each element on one rank) are then normed by
+    one all-reduce of the squared local norm there, where DTensor runs one all-reduce per
+    mesh dim, one after the other.
     """
     norms = []
     for group in _by_mesh(grads):
-        norm = torch.nn.utils.get_total_norm([grads[i] for i in group], 2.0)
+        tensors = [grads[i] for i in group]
+        if _sharded_over_flat(tensors, flat):
+            local = torch.nn.utils.get_total_norm([t.to_local() for t in tensors], 2.0)
+            square = local.float().pow(2).reshape(1)
+            dist.all_reduce(square, group=flat)
+            norms.append(square.sqrt().to(local.dtype).reshape(()))
+            continue
+        norm = torch.nn.utils.get_total_norm(tensors, 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, 2.0)
+
+
+def _sharded_over_flat(tensors: list[torch.Tensor], flat: dist.ProcessGroup | None) -> bool:
+    """Whether ``tensors`` are DTensors on one multi-dim mesh whose ranks are ``flat``'s,
+    every one sharded on every dim (each element held by exactly one rank)."""
+    first = tensors[0]
+    if flat is None or not isinstance(first, DTensor) or first.device_mesh.ndim == 1:
+        return False
+    if dist.get_world_size(flat) != first.device_mesh.size():
+        return False
+    # Neither replicated nor partial: a shard (FSDP's over dp_rep is a strided one).
+    return all(not (p.is_replicate() or p.is_partial()) for t in tensors for p in t.placements)
