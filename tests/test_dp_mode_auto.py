@@ -222,3 +222,23 @@ def test_plan_rows_take_the_trainers_choice_on_the_profiles_memory(
     # An explicit mode is the row's, with nothing to explain.
     fixed = strategy_rows(_cfg(2, 2, ("parallel.dp_mode", "ddp")), small)
     assert all(r.layout["dp_mode"] == "ddp" and "dp_mode_auto" not in r.layout for r in fixed)
+
+
+def test_moe_plan_rows_decide_auto_and_name_their_dispatch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from boostlr.analysis.plan import strategy_rows
+    from boostlr.cli.plan import print_dp_auto
+
+    moe = [("model.moe_experts", "4"), ("model.moe_top_k", "2"), ("model.moe_ffn_dim", "1024")]
+    cfg = _cfg(2, 2, *moe, ("parallel.tp", "1"))  # pp 2 x dp 2, every dispatch form a row
+    small = dataclasses.replace(load_profile("a100-80gb"), memory=float(1 << 20))
+    rows = strategy_rows(cfg, small)
+    assert {r.moe["dispatch"] for r in rows} == {"hidden", "latent"}
+    for row in rows:
+        assert row.layout["dp_mode"] == "fsdp" and "is over" in row.layout["dp_mode_auto"]
+    print_dp_auto(rows)
+    said = capsys.readouterr().out.splitlines()
+    assert [x.split("(")[1].split(")")[0] for x in said] == [
+        f"{r.arch} {r.moe['dispatch']} dispatch" for r in rows
+    ]

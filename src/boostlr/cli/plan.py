@@ -144,7 +144,8 @@ def print_dp_auto(rows: list) -> None:
     for r in rows:
         reason = r.layout.get("dp_mode_auto")
         if reason:
-            name = f"{r.arch} {r.strategy or '(tp 1)'}"
+            form = f"{r.moe['dispatch']} dispatch" if r.moe else r.strategy or "(tp 1)"
+            name = f"{r.arch} {form}"
             print(f"parallel.dp_mode auto -> {r.layout['dp_mode']} ({name}): {reason}")
 
 
