@@ -214,7 +214,9 @@ def _sharded_over_flat(tensors: list[torch.Tensor], flat: dist.ProcessGroup | No
     first = tensors[0]
     if flat is None or not isinstance(first, DTensor) or first.device_mesh.ndim == 1:
         return False
-    if dist.get_world_size(flat) != first.device_mesh.size():
-        return False
+    if sorted(dist.get_process_group_ranks(flat)) != sorted(
+        first.device_mesh.mesh.flatten().tolist()
+    ):
+        return False  # another set of ranks (a size alone could match by chance)
     # Neither replicated nor partial: a shard (FSDP's over dp_rep is a strided one).
     return all(not (p.is_replicate() or p.is_partial()) for t in tensors for p in t.placements)
