@@ -21,6 +21,7 @@ from boostlr.parallel.btp_moe import sum_moe_grads_over_tp
 from boostlr.parallel.build import build_stages
 from boostlr.parallel.expert_parallel import (
     clip_grads_with_norm,
+    experts_flat_group,
     reduce_expert_grads,
     total_grad_norm,
 )
@@ -157,7 +158,7 @@ class ParallelModel:
         params = [p for p in self.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         if grads:
-            norm = total_grad_norm(grads, self.comms.dp.group if self.comms.ep.size > 1 else None)
+            norm = total_grad_norm(grads, experts_flat_group(self.comms))
         else:
             norm = torch.zeros((), device=self.device)
         if self.comms.pp.size > 1:  # each stage holds different parameters

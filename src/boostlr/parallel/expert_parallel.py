@@ -10,6 +10,7 @@ back by the reverse one.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from boostlr.parallel.collectives import (
     gather_counts,
 )
 from boostlr.parallel.ep_bound import bounded_order, capacity_ep, receive_cap, receive_quota
-from boostlr.parallel.mesh import MeshComms
+from boostlr.parallel.mesh import EXPERT_DIMS, MeshComms
 from boostlr.specs.moe import is_routed_expert
 
 
@@ -178,9 +179,24 @@ def clip_grads_with_norm(params: list[nn.Parameter], max_norm: float, norm: torc
         torch.nn.utils.clip_grads_with_norm_([params[i] for i in group], max_norm, norm)
 
 
-def total_grad_norm(
-    grads: list[torch.Tensor], flat: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class FlatGroup:
+    """A group that holds exactly the ranks of a multi-dim mesh whose dims' groups are
+    ``dims``: the ``dp`` group and the experts' ``dp_rep x ep`` unflattening of it, the same
+    ranks by construction (:func:`~boostlr.parallel.mesh.unflatten_experts`)."""
+
+    group: dist.ProcessGroup
+    dims: tuple[dist.ProcessGroup, ...]
+
+
+def experts_flat_group(comms: MeshComms) -> FlatGroup | None:
+    """The ``dp`` group as the flat form of the experts' ``dp_rep x ep`` mesh (``ep > 1``)."""
+    if comms.ep.size <= 1:
+        return None
+    return FlatGroup(comms.dp.group, tuple(comms.group(d).group for d in EXPERT_DIMS))
+
+
+def total_grad_norm(grads: list[torch.Tensor], flat: FlatGroup | None = None) -> torch.Tensor:
     """The L2 norm of gradients that live on several meshes (FSDP's ``dp``, the experts'
     ``ep``), as a plain 0-d tensor.
 
@@ -189,9 +205,9 @@ def total_grad_norm(
     ep shard's experts counted once), then those norms are. On one mesh it is that mesh's
     norm, the same value as before there were two.
 
-    ``flat``: the group of the ranks of the experts' 2-D ``dp_rep x ep`` mesh (the ``dp``
-    group). Gradients sharded over both dims (each element on one rank) are then normed by
-    one all-reduce of the squared local norm there, where DTensor runs one all-reduce per
+    ``flat``: the experts' 2-D ``dp_rep x ep`` mesh as one group (:func:`experts_flat_group`).
+    Gradients on that mesh sharded over both dims (each element on one rank) are then normed
+    by one all-reduce of the squared local norm there, where DTensor runs one all-reduce per
     mesh dim, one after the other.
     """
     norms = []
@@ -200,7 +216,7 @@ def total_grad_norm(
         if _sharded_over_flat(tensors, flat):
             local = torch.nn.utils.get_total_norm([t.to_local() for t in tensors], 2.0)
             square = local.float().pow(2).reshape(1)
-            dist.all_reduce(square, group=flat)
+            dist.all_reduce(square, group=flat.group)
             norms.append(square.sqrt().to(local.dtype).reshape(()))
             continue
         norm = torch.nn.utils.get_total_norm(tensors, 2.0)
@@ -208,15 +224,19 @@ def total_grad_norm(
     return norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, 2.0)
 
 
-def _sharded_over_flat(tensors: list[torch.Tensor], flat: dist.ProcessGroup | None) -> bool:
-    """Whether ``tensors`` are DTensors on one multi-dim mesh whose ranks are ``flat``'s,
-    every one sharded on every dim (each element held by exactly one rank)."""
+def _sharded_over_flat(tensors: list[torch.Tensor], flat: FlatGroup | None) -> bool:
+    """Whether ``tensors`` are DTensors on ``flat``'s mesh (its dims' groups, the same
+    objects), every one sharded on every dim (each element held by exactly one rank).
+
+    Decided from the mesh's process groups, never its rank tensor: reading that back would be
+    a host conversion on every step, and under ``plan --trace`` it is a fake tensor."""
     first = tensors[0]
-    if flat is None or not isinstance(first, DTensor) or first.device_mesh.ndim == 1:
+    if flat is None or not isinstance(first, DTensor):
         return False
-    if sorted(dist.get_process_group_ranks(flat)) != sorted(
-        first.device_mesh.mesh.flatten().tolist()
+    groups = first.device_mesh.get_all_groups()
+    if len(groups) != len(flat.dims) or any(
+        g.group_name != d.group_name for g, d in zip(groups, flat.dims, strict=True)
     ):
-        return False  # another set of ranks (a size alone could match by chance)
+        return False  # another mesh: its ranks need not be the flat group's
     # Neither replicated nor partial: a shard (FSDP's over dp_rep is a strided one).
     return all(not (p.is_replicate() or p.is_partial()) for t in tensors for p in t.placements)
