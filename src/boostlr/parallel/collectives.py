@@ -1,8 +1,8 @@
 """Autograd-aware tensor-parallel collectives, in the shape of Megatron's mappings.
 
 Every tensor-parallel collective in boostlr goes through this module (docs/design.md §3), and
-so does expert parallelism's variable all-to-all (the counts first, :func:`gather_counts`
-or :func:`exchange_counts`, then :func:`all_to_all_single`; docs/moe.md):
+so does expert parallelism's variable all-to-all (the counts first, :func:`gather_counts`,
+then :func:`all_to_all_single`; docs/moe.md):
 
 * each primitive is a conjugate pair: whatever the forward does to the activation, the
   backward does the adjoint to its gradient (all-reduce <-> identity, all-gather <->
@@ -40,7 +40,6 @@ __all__ = [
     "PendingAllReduce",
     "all_reduce_",
     "all_to_all_single",
-    "exchange_counts",
     "gather_counts",
     "copy_to_group",
     "copy_to_group_pending",
@@ -414,36 +413,14 @@ def all_reduce_(
 
 
 @torch.compiler.disable
-def exchange_counts(counts: Tensor, comm: GroupComm, tag: str) -> Tensor:
-    """Row ``i`` of ``counts [size, n]`` (int64) to rank ``i``: what it will be sent.
-
-    The count half of a variable all-to-all, sent first: its shape is fixed (``[size, n]``
-    on every rank), so no rank can wait on a collective of another shape; the payload's
-    splits are read from its result. Not differentiable (counts have no gradient).
-    """
-    if counts.dim() != 2 or counts.shape[0] != comm.size:
-        raise ValueError(
-            f"[{tag}] counts must be [{comm.size}, n] for group '{comm.name}', got "
-            f"{tuple(counts.shape)}"
-        )
-    if comm.size == 1:
-        return counts
-    send = counts.contiguous()
-    out = torch.empty_like(send)
-    _record(comm, "all_to_all", send, f"{tag}.counts", comm.ledger.forward_phase)
-    with _collective(comm, "all_to_all", f"{tag}.counts", send):
-        dist.all_to_all_single(out, send, group=comm.group)
-    return out
-
-
-@torch.compiler.disable
 def gather_counts(counts: Tensor, comm: GroupComm, tag: str) -> Tensor:
     """Every rank's ``counts [size, n]`` (int64): ``[source, size, n]``, the same on all ranks.
 
     The count half of a variable all-to-all when every rank must know every rank's sends
     (a receive bound decided alike everywhere, :mod:`boostlr.parallel.ep_bound`): one
-    fixed-shape all-gather, whose output is ``size`` times :func:`exchange_counts`'. Not
-    differentiable. The ledger records the gathered output, as for every all-gather here.
+    fixed-shape all-gather (an all-to-all of the counts would give each rank only its own
+    column, ``[source, n]``, and the bound needs them all). Not differentiable. The ledger
+    records the gathered output, as for every all-gather here.
     """
     if counts.dim() != 2 or counts.shape[0] != comm.size:
         raise ValueError(
@@ -467,7 +444,7 @@ def all_to_all_single(
     rank order; backward sends the gradients back (splits swapped).
 
     ``send`` and ``recv`` are host lists, read from the exchanged counts
-    (:func:`gather_counts` or :func:`exchange_counts`).
+    (:func:`gather_counts`).
     """
     if len(send) != comm.size or len(recv) != comm.size or sum(send) != x.shape[0]:
         raise ValueError(
