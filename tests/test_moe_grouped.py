@@ -144,3 +144,77 @@ def test_grouped_widths_fit_the_kernels_alignment() -> None:
     assert fit((8, 16), torch.float32) and fit((8, 16), torch.bfloat16)
     assert not fit((8, 6), torch.float32) and not fit((4, 16), torch.bfloat16)
     assert not fit((8, 16), torch.float64)
+
+
+@pytest.mark.parametrize("form", ["swiglu", "lowrank-only"])
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_linear_is_the_composition_op_for_op(
+    form: str, grouped: bool, dtype: torch.dtype
+) -> None:
+    """``product_linear`` recomputes the product in its backward instead of keeping it:
+    the output and all three gradients are the unfused composition's, bit for bit (the
+    backward runs autograd's ops), grouped over sorted rows and batched, fp32 and bf16."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 8]
+    rows, f, out = sum(counts), 16, 8
+    shape = (rows, f) if grouped else (4, 6, f)
+    gate, up = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(4, out, f, generator=gen).to(dtype)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32) if grouped else None
+    probe = torch.randn(*shape[:-1], out, generator=gen).to(dtype)
+
+    def run(fn) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (gate, up, w)]
+        y = fn(*leaves)
+        (y * probe).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    fused = run(lambda g, u, w_: moe_grouped.product_linear(g, u, w_, offs, form))
+    unfused = run(
+        lambda g, u, w_: moe_grouped.stacked_linear(
+            moe_grouped.expert_product(g, u, form), w_, offs
+        )
+    )
+    for name, a, b in zip(("out", "gate", "up", "w"), fused, unfused, strict=True):
+        assert torch.equal(a, b), name
+
+
+def _saved_activation_bytes(m: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps from ``m``'s forward for its backward, parameters and the input
+    left out, each storage once."""
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    params.add(x.untyped_storage().data_ptr())
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.is_floating_point() and storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x, None)[0].sum()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize(("arch", "dispatch"), [("cola", "latent"), ("cola", "hidden")])
+def test_experts_keep_no_product_for_the_backward(arch: str, dispatch: str) -> None:
+    """The experts' widest activations are ``[copies, f_e]``: gate and up are kept for the
+    backward, their product is not (recomputed there). Counted against the whole layer's
+    kept bytes with and without the product recomputed."""
+    m = layer(arch, dispatch, experts=8)
+    x = torch.randn(2, 16, 32)
+    kept = _saved_activation_bytes(m, x)
+    copies, f_e = 2 * 16 * 2, 16
+    product = copies * f_e * 4
+    orig = moe_grouped.product_linear
+    moe_grouped_unfused = lambda g, u, w, offs, form: moe_grouped.stacked_linear(  # noqa: E731
+        moe_grouped.expert_product(g, u, form), w, offs
+    )
+    try:
+        moe_experts.product_linear = moe_grouped_unfused
+        unfused = _saved_activation_bytes(m, x)
+    finally:
+        moe_experts.product_linear = orig
+    assert unfused - kept == product, (unfused, kept, product)

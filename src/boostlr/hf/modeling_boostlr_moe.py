@@ -43,17 +43,13 @@ from .modeling_boostlr import (
 from .moe_grouped import (
     capacity_of,
     dropless,
+    expert_product,
     grouped_widths_fit,
     run_experts,
     stacked_linear,
     top_k_copies,
     with_capacity,
 )
-
-
-def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
-    """``silu(g) ⊙ u`` (swiglu) or ``g ⊙ u`` (lowrank-only), as the dense MLP's product."""
-    return F.silu(gate) * up if form == "swiglu" else gate * up
 
 
 class BoostlrRouter(nn.Module):

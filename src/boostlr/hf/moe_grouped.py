@@ -94,6 +94,65 @@ class _GroupedLinear(torch.autograd.Function):
         return gx, gw, None
 
 
+def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
+    """``silu(g) ⊙ u`` (swiglu) or ``g ⊙ u`` (lowrank-only), as the dense MLP's product."""
+    return F.silu(gate) * up if form == "swiglu" else gate * up
+
+
+class _ProductLinear(torch.autograd.Function):
+    """``stacked_linear(expert_product(gate, up), w, offs)`` that keeps ``gate`` and ``up``
+    for the backward and recomputes the product there (one elementwise pass).
+
+    Autograd would also keep the product (the GEMM's input) and, for swiglu, ``silu(gate)``:
+    one or two more ``[copies, f_e]`` tensors per MoE layer, as wide as the experts' largest
+    activations, held from the forward to the backward. The backward is the one autograd
+    runs, op for op (``silu_backward`` of ``grad · up``; the GEMMs as
+    :class:`_GroupedLinear`'s), so the gradients are the same numbers.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None,
+        form: str,
+    ) -> torch.Tensor:  # fmt: skip
+        h = expert_product(gate, up, form).to(w.dtype)
+        ctx.form = form
+        ctx.save_for_backward(gate, up, w, offs)
+        return torch.matmul(h, w.mT) if offs is None else F.grouped_mm(h, w.mT, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        gate, up, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        act = F.silu(gate) if ctx.form == "swiglu" else gate
+        h = (act * up).to(w.dtype)
+        if offs is None:  # batched [E, n, f]: matmul's backward
+            gh = torch.matmul(grad, w)
+            gw = torch.matmul(h.mT, grad).mT if ctx.needs_input_grad[2] else None
+        else:
+            gh = F.grouped_mm(grad, w, offs=offs)
+            gw = F.grouped_mm(grad.t(), h, offs=offs) if ctx.needs_input_grad[2] else None
+        gh = gh.to(torch.promote_types(gate.dtype, up.dtype))
+        g_up = gh * act if ctx.needs_input_grad[1] else None
+        g_gate = None
+        if ctx.needs_input_grad[0]:
+            g_act = gh * up
+            g_gate = torch.ops.aten.silu_backward(g_act, gate) if ctx.form == "swiglu" else g_act
+        return g_gate, g_up, gw, None, None
+
+
+def product_linear(
+    gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, form: str
+) -> torch.Tensor:
+    """:func:`stacked_linear` of ``expert_product(gate, up, form)``, the product not kept for
+    the backward (:class:`_ProductLinear`). Without gradients it is the plain composition."""
+    if not torch.is_grad_enabled() or not (
+        gate.requires_grad or up.requires_grad or w.requires_grad
+    ):
+        return stacked_linear(expert_product(gate, up, form), w, offs)
+    return _ProductLinear.apply(gate, up, w, offs, form)
+
+
 def stacked_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
     """The stacked weight ``w [E, d_out, d_in]`` on ``x``: grouped over sorted rows
     ``x [rows, d_in]`` ending at ``offs``, or (``offs=None``) batched over ``x [E, n, d_in]``

@@ -21,21 +21,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from boostlr.config import ModelConfig
-from boostlr.hf.moe_grouped import run_experts, stacked_linear
+from boostlr.hf.moe_grouped import product_linear, run_experts, stacked_linear
 from boostlr.models.lowrank import cola_std
 from boostlr.models.moe_dispatch import grouped_here, host_max
 from boostlr.models.params import forward_dtype, local
 from boostlr.specs.arch import arch_spec
 from boostlr.specs.moe import ROUTER, is_moe_layer
-
-
-def expert_product(gate: torch.Tensor, up: torch.Tensor, form: str) -> torch.Tensor:
-    """``silu(g) ⊙ u`` (swiglu) or ``g ⊙ u`` (lowrank-only), as the dense MLP's product.
-
-    Restated rather than imported from :mod:`boostlr.models.llama`, which builds blocks from
-    this package: importing it here would make a circle.
-    """
-    return F.silu(gate) * up if form == "swiglu" else gate * up
 
 
 class StackedFactor(nn.Module):
@@ -79,6 +70,18 @@ class StackedLinear(nn.Module):
         a = self.down(x, offs)
         return self.up(F.silu(a) if self.activation else a, offs)
 
+    def on_product(
+        self, gate: torch.Tensor, up: torch.Tensor, form: str, offs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``forward(expert_product(gate, up, form))`` with the product not kept for the
+        backward (:func:`~boostlr.hf.moe_grouped.product_linear`): the experts' widest
+        activation, ``[copies, f_e]``, is recomputed there instead."""
+        first = self.down.weight if hasattr(self, "down") else self.weight
+        a = product_linear(gate, up, local(first), offs, form)
+        if not hasattr(self, "down"):
+            return a
+        return self.up(F.silu(a) if self.activation else a, offs)
+
 
 class WholeExperts(nn.Module):
     """``hidden`` dispatch: ``n`` whole MLPs of the arch, ``d -> f_e -> d`` each."""
@@ -101,8 +104,8 @@ class WholeExperts(nn.Module):
         return run_experts(self._compute, x, offs, grouped, host_max)
 
     def _compute(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
-        h = expert_product(self.gate_proj(x, offs), self.up_proj(x, offs), self.form)
-        return self.down_proj(h, offs)
+        gate, up = self.gate_proj(x, offs), self.up_proj(x, offs)
+        return self.down_proj.on_product(gate, up, self.form, offs)
 
 
 class _Part(nn.Module):
@@ -136,8 +139,8 @@ class LatentExperts(nn.Module):
     def _compute(self, z: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
         # The halves as their own contiguous rows (the grouped kernel wants aligned strides).
         zg, zu = z[..., : self.rank].contiguous(), z[..., self.rank :].contiguous()
-        h = expert_product(self.gate_proj.up(zg, offs), self.up_proj.up(zu, offs), self.form)
-        a = self.down_proj.down(h, offs)
+        gate, up = self.gate_proj.up(zg, offs), self.up_proj.up(zu, offs)
+        a = product_linear(gate, up, local(self.down_proj.down.weight), offs, self.form)
         return F.silu(a) if self.activation else a
 
 
