@@ -142,3 +142,29 @@ def test_a_rank_holds_one_dp_th_of_the_expert_state_at_dp4_ep2() -> None:
         quarter = got["total"] // 4
         assert got["params"] == got["grads"] == quarter, got
         assert got["optimizer"] == 2 * quarter, got
+
+
+def _norm_reductions_of_a_later_model(rank: int, world: int) -> list[int]:
+    """The clip's all-reduces of each of three models built one after another in one process
+    (as a benchmark builds its variants): torch may place a later model's experts on an
+    earlier model's groups over the same ranks."""
+    counts = []
+    for arch in ("full", "cola", "cola"):
+        cfg = _config(arch, world, 2)
+        model = ParallelModel.build(cfg, cpu)
+        inputs, targets = global_batch(cfg)
+        b = cfg.train.batch_size
+        mine = slice(rank * b, (rank + 1) * b)
+        model.global_mean(model.forward_backward(inputs[mine], targets[mine]))
+        model.reduce_expert_gradients()
+        with CollectiveCount() as count:
+            model.clip_gradients(0.0)
+        counts.append(count.calls)
+    return counts
+
+
+def test_every_model_in_a_process_norms_its_experts_in_one_all_reduce() -> None:
+    """dp 4 x ep 2: the experts' one-all-reduce norm is decided from their mesh's ranks, so a
+    third model whose experts sit on the second one's groups still takes it."""
+    for got in run_distributed(_norm_reductions_of_a_later_model, 4, timeout_s=300):
+        assert got == [2, 2, 2], got

@@ -225,17 +225,21 @@ def total_grad_norm(grads: list[torch.Tensor], flat: FlatGroup | None = None) ->
 
 
 def _sharded_over_flat(tensors: list[torch.Tensor], flat: FlatGroup | None) -> bool:
-    """Whether ``tensors`` are DTensors on ``flat``'s mesh (its dims' groups, the same
-    objects), every one sharded on every dim (each element held by exactly one rank).
+    """Whether ``tensors`` are DTensors on ``flat``'s mesh (each dim's group holds the ranks
+    of ``flat.dims``' in the same order), every one sharded on every dim (each element held
+    by exactly one rank).
 
     Decided from the mesh's process groups, never its rank tensor: reading that back would be
-    a host conversion on every step, and under ``plan --trace`` it is a fake tensor."""
+    a host conversion on every step, and under ``plan --trace`` it is a fake tensor. Ranks,
+    not group objects: a second model built in one process (a benchmark's) may place its
+    DTensors on the first one's groups over the same ranks."""
     first = tensors[0]
     if flat is None or not isinstance(first, DTensor):
         return False
     groups = first.device_mesh.get_all_groups()
     if len(groups) != len(flat.dims) or any(
-        g.group_name != d.group_name for g, d in zip(groups, flat.dims, strict=True)
+        dist.get_process_group_ranks(g) != dist.get_process_group_ranks(d)
+        for g, d in zip(groups, flat.dims, strict=True)
     ):
         return False  # another mesh: its ranks need not be the flat group's
     # Neither replicated nor partial: a shard (FSDP's over dp_rep is a strided one).
