@@ -146,38 +146,79 @@ def test_grouped_widths_fit_the_kernels_alignment() -> None:
     assert not fit((8, 16), torch.float64)
 
 
-@pytest.mark.parametrize("form", ["swiglu", "lowrank-only"])
-@pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_product_linear_is_the_composition_op_for_op(
-    form: str, grouped: bool, dtype: torch.dtype
-) -> None:
-    """``product_linear`` recomputes the product in its backward instead of keeping it:
-    the output and all three gradients are the unfused composition's, bit for bit (the
-    backward runs autograd's ops), grouped over sorted rows and batched, fp32 and bf16."""
+DTYPES = {  # gate, up, w
+    "fp32": (torch.float32,) * 3,
+    "bf16": (torch.bfloat16,) * 3,
+    "mixed": (torch.bfloat16, torch.float32, torch.float32),
+}
+NEEDS = {"all": (True, True, True), "weight": (False, False, True), "gate": (True, False, False)}
+
+
+def _product_case(grouped: bool, dtypes: tuple[torch.dtype, ...]):
     gen = torch.Generator().manual_seed(0)
     counts = [3, 0, 5, 8]
     rows, f, out = sum(counts), 16, 8
     shape = (rows, f) if grouped else (4, 6, f)
-    gate, up = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
-    w = torch.randn(4, out, f, generator=gen).to(dtype)
+    gate = torch.randn(shape, generator=gen).to(dtypes[0])
+    up = torch.randn(shape, generator=gen).to(dtypes[1])
+    w = torch.randn(4, out, f, generator=gen).to(dtypes[2])
     offs = torch.tensor(counts).cumsum(0).to(torch.int32) if grouped else None
-    probe = torch.randn(*shape[:-1], out, generator=gen).to(dtype)
+    probe = torch.randn(*shape[:-1], out, generator=gen).to(dtypes[2])
+    return (gate, up, w), offs, probe
 
-    def run(fn) -> list[torch.Tensor]:
-        leaves = [t.clone().requires_grad_() for t in (gate, up, w)]
-        y = fn(*leaves)
-        (y * probe).sum().backward()
-        return [y.detach()] + [t.grad for t in leaves]
 
-    fused = run(lambda g, u, w_: moe_grouped.product_linear(g, u, w_, offs, form))
-    unfused = run(
-        lambda g, u, w_: moe_grouped.stacked_linear(
-            moe_grouped.expert_product(g, u, form), w_, offs
-        )
+def _run(fn, tensors, needs, probe) -> list[torch.Tensor | None]:
+    leaves = [t.clone().requires_grad_(n) for t, n in zip(tensors, needs, strict=True)]
+    y = fn(*leaves)
+    (y * probe).sum().backward()
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def _unfused(offs, form):
+    return lambda g, u, w: moe_grouped.stacked_linear(
+        moe_grouped.expert_product(g, u, form), w, offs
     )
+
+
+@pytest.mark.parametrize("form", ["swiglu", "lowrank-only"])
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("dtypes", list(DTYPES))
+@pytest.mark.parametrize("needs", list(NEEDS))
+def test_product_linear_is_the_composition_op_for_op(
+    form: str, grouped: bool, dtypes: str, needs: str
+) -> None:
+    """``product_linear`` recomputes the product in its backward instead of keeping it:
+    the output and the gradients asked for are the unfused composition's, bit for bit (the
+    backward runs autograd's ops, each factor's gradient in its own dtype), grouped over
+    sorted rows and batched; fp32, bf16, a bf16 gate beside fp32 up and weights; every
+    input, the weight alone, the gate alone needing a gradient."""
+    tensors, offs, probe = _product_case(grouped, DTYPES[dtypes])
+    fused = _run(
+        lambda g, u, w: moe_grouped.product_linear(g, u, w, offs, form),
+        tensors,
+        NEEDS[needs],
+        probe,
+    )
+    unfused = _run(_unfused(offs, form), tensors, NEEDS[needs], probe)
     for name, a, b in zip(("out", "gate", "up", "w"), fused, unfused, strict=True):
-        assert torch.equal(a, b), name
+        assert (a is None) == (b is None), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+
+
+@pytest.mark.parametrize("form", ["swiglu", "lowrank-only"])
+def test_product_linear_compiles_without_a_graph_break(form: str) -> None:
+    """``train.compile`` traces the function whole (``fullgraph``), forward and backward, bf16
+    grouped (the compiled grouped kernel's dtype), with the eager results."""
+    tensors, offs, probe = _product_case(True, DTYPES["bf16"])
+    needs = NEEDS["all"]
+
+    def fn(g, u, w):
+        return moe_grouped.product_linear(g, u, w, offs, form)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager = _run(fn, tensors, needs, probe)
+    for a, b in zip(_run(compiled, tensors, needs, probe), eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _saved_activation_bytes(m: torch.nn.Module, x: torch.Tensor) -> int:
@@ -198,23 +239,24 @@ def _saved_activation_bytes(m: torch.nn.Module, x: torch.Tensor) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize(("arch", "dispatch"), [("cola", "latent"), ("cola", "hidden")])
-def test_experts_keep_no_product_for_the_backward(arch: str, dispatch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "dispatch", "dropped"),
+    [("cola", "latent", 1), ("cola", "hidden", 1), ("full", "hidden", 2)],
+)
+def test_experts_keep_no_product_for_the_backward(arch: str, dispatch: str, dropped: int) -> None:
     """The experts' widest activations are ``[copies, f_e]``: gate and up are kept for the
-    backward, their product is not (recomputed there). Counted against the whole layer's
-    kept bytes with and without the product recomputed."""
+    backward, their product is not (recomputed there), nor swiglu's ``silu(gate)``. Counted
+    against the whole layer's kept bytes with the product's GEMM unfused."""
     m = layer(arch, dispatch, experts=8)
     x = torch.randn(2, 16, 32)
     kept = _saved_activation_bytes(m, x)
-    copies, f_e = 2 * 16 * 2, 16
-    product = copies * f_e * 4
-    orig = moe_grouped.product_linear
-    moe_grouped_unfused = lambda g, u, w, offs, form: moe_grouped.stacked_linear(  # noqa: E731
-        moe_grouped.expert_product(g, u, form), w, offs
-    )
+    weights = dict(m.experts.named_parameters())
+    f_e = weights.get("up_proj.weight", weights.get("up_proj.up.weight")).shape[1]
+    copies = x.shape[0] * x.shape[1] * m.router.top_k
+    orig = moe_experts.product_linear
     try:
-        moe_experts.product_linear = moe_grouped_unfused
+        moe_experts.product_linear = lambda g, u, w, offs, form: _unfused(offs, form)(g, u, w)
         unfused = _saved_activation_bytes(m, x)
     finally:
         moe_experts.product_linear = orig
-    assert unfused - kept == product, (unfused, kept, product)
+    assert unfused - kept == dropped * copies * f_e * 4, (unfused, kept, copies, f_e)

@@ -125,18 +125,24 @@ class _ProductLinear(torch.autograd.Function):
         gate, up, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
         act = F.silu(gate) if ctx.form == "swiglu" else gate
-        h = (act * up).to(w.dtype)
-        if offs is None:  # batched [E, n, f]: matmul's backward
-            gh = torch.matmul(grad, w)
-            gw = torch.matmul(h.mT, grad).mT if ctx.needs_input_grad[2] else None
-        else:
-            gh = F.grouped_mm(grad, w, offs=offs)
-            gw = F.grouped_mm(grad.t(), h, offs=offs) if ctx.needs_input_grad[2] else None
+        gw = None
+        if ctx.needs_input_grad[2]:
+            h = (act * up).to(w.dtype)
+            if offs is None:  # batched [E, n, f]: matmul's backward, in its order
+                gw = torch.matmul(h.mT, grad).mT
+            else:
+                gw = F.grouped_mm(grad.t(), h, offs=offs)
+            del h  # before the input gradients: the backward's peak is every layer's
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, gw, None, None
+        gh = torch.matmul(grad, w) if offs is None else F.grouped_mm(grad, w, offs=offs)
         gh = gh.to(torch.promote_types(gate.dtype, up.dtype))
-        g_up = gh * act if ctx.needs_input_grad[1] else None
+        # The product's backward as autograd's mul runs it: each factor's gradient in that
+        # factor's dtype (a bf16 gate's before silu_backward).
+        g_up = (gh * act).to(up.dtype) if ctx.needs_input_grad[1] else None
         g_gate = None
         if ctx.needs_input_grad[0]:
-            g_act = gh * up
+            g_act = (gh * up).to(act.dtype)
             g_gate = torch.ops.aten.silu_backward(g_act, gate) if ctx.form == "swiglu" else g_act
         return g_gate, g_up, gw, None, None
 

@@ -232,7 +232,13 @@ def _sharded_over_flat(tensors: list[torch.Tensor], flat: FlatGroup | None) -> b
     Decided from the mesh's process groups, never its rank tensor: reading that back would be
     a host conversion on every step, and under ``plan --trace`` it is a fake tensor. Ranks,
     not group objects: a second model built in one process (a benchmark's) may place its
-    DTensors on the first one's groups over the same ranks."""
+    DTensors on the first one's groups over the same ranks.
+
+    A rank sees only the row and the column of the mesh through itself. They fix the whole
+    mesh, and so the same answer on every rank, for an evenly strided mesh: every mesh
+    boostlr builds (``init_device_mesh`` and its unflattening). A hand-permuted mesh could
+    agree on some ranks' rows and columns only, and those ranks would then wait in different
+    collectives."""
     first = tensors[0]
     if flat is None or not isinstance(first, DTensor):
         return False
