@@ -65,10 +65,7 @@ class StackedLinear(nn.Module):
             self.up = StackedFactor(n, rank, d_out, device)  # B: r -> d_out
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
-        if not hasattr(self, "down"):
-            return stacked_linear(x, local(self.weight), offs)
-        a = self.down(x, offs)
-        return self.up(F.silu(a) if self.activation else a, offs)
+        return self._after_first(stacked_linear(x, self._first(), offs), offs)
 
     def on_product(
         self, gate: torch.Tensor, up: torch.Tensor, form: str, offs: torch.Tensor | None
@@ -76,8 +73,15 @@ class StackedLinear(nn.Module):
         """``forward(expert_product(gate, up, form))`` with the product not kept for the
         backward (:func:`~boostlr.hf.moe_grouped.product_linear`): the experts' widest
         activation, ``[copies, f_e]``, is recomputed there instead."""
-        first = self.down.weight if hasattr(self, "down") else self.weight
-        a = product_linear(gate, up, local(first), offs, form)
+        return self._after_first(product_linear(gate, up, self._first(), offs, form), offs)
+
+    def _first(self) -> torch.Tensor:
+        """The factor that takes the input: ``W``, or ``A`` of ``B σ(A x)`` (its local shard
+        under DTensor)."""
+        return local(self.down.weight if hasattr(self, "down") else self.weight)
+
+    def _after_first(self, a: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        """What follows the first factor: nothing for ``W``, ``B σ(·)`` for a low-rank one."""
         if not hasattr(self, "down"):
             return a
         return self.up(F.silu(a) if self.activation else a, offs)
