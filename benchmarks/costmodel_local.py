@@ -1,8 +1,9 @@
 """The cost model against this machine: step-time ratios between strategies at TP 2 on CPU.
 
-The cost model plans GPUs: it charges kernels, bytes and collectives and assumes host-side
-Python runs ahead of the device. On a CPU that host work sits on the same core, so absolute
-predictions are not its job; what it should get right is how the strategies compare. With
+The cost model plans GPUs: it charges kernels, bytes, collectives and the host's dispatch
+per aten op (the ``local`` profile's ``host_op_us``, measured on the trainer's own step). On a
+CPU host and kernels share the cores, so absolute predictions are not its job; what it should
+get right is how the strategies compare. With
 the ``local`` profile (``boostlr calibrate`` on this machine), the predicted step times of
 ``full`` + ``megatron``, ``cola`` + ``vanilla`` and ``cola`` + ``btp`` at TP 2 on two gloo CPU
 ranks are divided by BTP's, and so are the measured ones; the script prints both ratios and
@@ -15,7 +16,7 @@ the trainer times: zero_grad, forward + backward, gradient clipping, AdamW; the 
 CPU s`` is the main thread's CPU time over the same step (the busier rank).
 
 Each rank uses the profile's torch thread count (``[measurements] threads``). Without a
-``local`` profile it runs ``boostlr calibrate`` first (~15 s); ``--calibrate`` recalibrates
+``local`` profile it runs ``boostlr calibrate`` first (about a minute); ``--calibrate`` recalibrates
 first, for a machine whose speed drifts.
 
     python benchmarks/costmodel_local.py [--calibrate] [--preset 60M] [--seq-len 128] \

@@ -19,14 +19,17 @@ profiled at one block and at two; the difference is one block's. Counted on rank
   ``fixed.kernels_per_step``): the block's GEMMs forward and backward, its non-GEMM
   kernels (``gemms.block_kernels``), a copy per TP collective.
 
-    python benchmarks/dispatch_census.py [--preset 60M] [--seq-len 128]
+- ``plan host ops``: the cost model's host ops for that block (its kernels times the
+  strategy's ``host_ops_per_kernel``, ``specs/strategy.py``), which the host term charges.
+
+    python benchmarks/dispatch_census.py [--preset 60M] [--seq-len 128] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -35,55 +38,23 @@ from common import bench_config
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import load_profile
 from boostlr.config import RunConfig, from_dict, to_dict
+from boostlr.host_ops import count_dispatched
 
 STRATEGIES = [("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")]
 TP = 2
-VIEWS = frozenset(
-    "aten::" + name
-    for name in (
-        "view", "view_as", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose",
-        "permute", "expand", "expand_as", "slice", "select", "narrow", "as_strided", "unsqueeze",
-        "squeeze", "flatten", "unflatten", "split", "split_with_sizes", "chunk", "unbind",
-        "detach", "alias", "lift_fresh", "mT", "numpy_T", "result_type",
-    )
-)  # fmt: skip
-MAYBE_NOOP = frozenset({"aten::to", "aten::contiguous", "aten::type_as"})
 
 
 def config(args: argparse.Namespace, arch: str, strategy: str, layers: int) -> RunConfig:
     args = argparse.Namespace(**{**vars(args), "batch_size": 1})
-    extra = {"train.dtype": "float32", "parallel.tp": TP, "parallel.tp_strategy": strategy}
+    extra = {"train.dtype": args.dtype, "parallel.tp": TP, "parallel.tp_strategy": strategy}
     cfg = bench_config(args, arch, extra)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=layers))
-
-
-def _is_aten(event) -> bool:
-    return event.name.startswith("aten::")
-
-
-def _outermost(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if _is_aten(parent):
-            return False
-        parent = parent.cpu_parent
-    return True
-
-
-def classify(event) -> str:
-    """``view``, ``noop`` (a cast or contiguous that called nothing) or ``write``."""
-    if event.name in VIEWS:
-        return "view"
-    if event.name in MAYBE_NOOP and not any(_is_aten(c) for c in event.cpu_children):
-        return "noop"
-    return "write"
 
 
 def rank_entry(cfg_dicts: list[dict]) -> list[dict[str, int]]:
     """Per config: the outermost aten ops of one profiled step, by class."""
     import torch.distributed as dist
     from common import Part, random_batch
-    from torch.profiler import ProfilerActivity, profile
 
     from boostlr.parallel.launch import init_distributed
 
@@ -100,22 +71,20 @@ def rank_entry(cfg_dicts: list[dict]) -> list[dict[str, int]]:
         )
         for _ in range(2):  # warm-up: the optimizer's state exists, caches are filled
             part.step(inputs, targets)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            part.step(inputs, targets)
-        kinds = collections.Counter(
-            classify(e) for e in prof.events() if _is_aten(e) and _outermost(e)
-        )
-        out.append(dict(kinds))
-        del part
+        step = functools.partial(part.step, inputs, targets)
+        out.append(dict(count_dispatched(step)))
+        del part, step
     dist.destroy_process_group()
     return out
 
 
-def plan_kernels(cfg: RunConfig) -> int:
-    """The cost model's kernels per step (``fixed.kernels_per_step``: GEMMs forward and
-    backward, the non-GEMM estimate, a copy per TP collective). The count does not depend on
-    the hardware profile."""
-    return predict(cfg, load_profile("h200")).fixed["kernels_per_step"]
+def plan_counts(cfg: RunConfig) -> tuple[int, float]:
+    """The cost model's (kernels, host ops) per step (``fixed.kernels_per_step``: GEMMs
+    forward and backward, the non-GEMM estimate, a copy per TP collective; and
+    ``fixed.host_ops_per_step``: those times the strategy's ops per kernel). Neither depends
+    on the hardware profile."""
+    fixed = predict(cfg, load_profile("h200")).fixed
+    return fixed["kernels_per_step"], fixed["host_ops_per_step"]
 
 
 def main() -> None:
@@ -123,6 +92,7 @@ def main() -> None:
     parser.add_argument("--preset", default="60M")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     from boostlr.parallel.launch import launch
@@ -133,12 +103,13 @@ def main() -> None:
     m = cfgs[2].model  # cola: the rank
     print(
         f"# dispatch_census: {args.preset} (d {m.dim}, rank {m.rank}), seq {args.seq_len}, one "
-        f"sequence, fp32, TP {TP} on {TP} gloo ranks; one block = a 2-block step minus a "
-        "1-block step, rank 0"
+        f"sequence, {args.dtype}, TP {TP} on {TP} gloo ranks; one block = a 2-block step "
+        "minus a 1-block step, rank 0"
     )
     header = (
         f"{'strategy':<16}{'dispatched':>11}{'writes':>8}{'views':>7}{'no-op casts':>12}"
         f"{'plan kernels':>13}{'writes / plan':>14}{'dispatched / plan':>18}"
+        f"{'plan host ops':>14}{'dispatched / host ops':>22}"
     )
     print(header)
     print("-" * len(header))
@@ -146,11 +117,12 @@ def main() -> None:
         one, two = counts[2 * i], counts[2 * i + 1]
         block = {k: two.get(k, 0) - one.get(k, 0) for k in ("write", "view", "noop")}
         dispatched = sum(block.values())
-        plan = plan_kernels(cfgs[2 * i + 1]) - plan_kernels(cfgs[2 * i])
+        (k1, h1), (k2, h2) = plan_counts(cfgs[2 * i]), plan_counts(cfgs[2 * i + 1])
+        plan, host = k2 - k1, h2 - h1
         print(
             f"{arch + ' + ' + strategy:<16}{dispatched:>11}{block['write']:>8}{block['view']:>7}"
             f"{block['noop']:>12}{plan:>13}{block['write'] / plan:>14.2f}"
-            f"{dispatched / plan:>18.2f}"
+            f"{dispatched / plan:>18.2f}{host:>14.0f}{dispatched / host:>22.2f}"
         )
 
 

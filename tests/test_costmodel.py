@@ -264,6 +264,7 @@ def test_profiles_load_and_user_profiles_win(
         device="cpu",
         attention_efficiency=0.3,
         launch=8e-6,  # a value that survives the µs round trip exactly
+        host_op=16e-6,
         intra=Link(300e9, 8e-6, 8e-6),
         inter=Link(25e9, 8e-6, 8e-6),
     )

@@ -7,6 +7,8 @@ It measures what a profile holds, on CUDA when a GPU is visible (else on this CP
 * memory bandwidth (a large copy), the element-wise fraction of it (an eager add), and the
   fixed cost of one small kernel (launch and dispatch);
 * causal attention (forward + backward) as a fraction of the fitted GEMM roofline;
+* the host's CPU time per dispatched aten op of the trainer's own step (a tiny CoLA model,
+  at TP 2 on two processes where two fit: what a tensor-parallel rank's host pays per op);
 * the link: all-reduce latency and bandwidth between two processes (NCCL on two GPUs, gloo
   on the CPU; one GPU alone keeps the link of ``--like``, default ``h100-sxm``, and says so).
 
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 
 from boostlr.analysis.hardware import GB, HardwareProfile, Link, load_profile, user_dir
+from boostlr.config import RunConfig, build_config
+from boostlr.host_ops import host_seconds_per_op, trainer_step
 from boostlr.platform import platform_for, resolve_device
 
 GEMM_SHAPES = (
@@ -132,12 +136,57 @@ def measure_attention(dtype: torch.dtype, device: torch.device) -> list[tuple]:
     return out
 
 
-def _allreduce_rank(rank: int, port: int, kind: str, queue) -> None:
+def _allreduce_samples(device: torch.device) -> list[tuple[int, float]]:
+    """All-reduce seconds by payload on this rank (same count on each)."""
+    import torch.distributed as dist
+
+    samples = []
+    for nbytes in ALLREDUCE_BYTES:
+        x = torch.ones(nbytes // 4, device=device)
+        dist.barrier()
+        samples.append((nbytes, _time(lambda x=x: dist.all_reduce(x), device)))
+    return samples
+
+
+def host_op_config(tp: int, cuda: bool) -> RunConfig:
+    """The step :func:`measure_host_op` times: a tiny CoLA model (its kernels take next to
+    no time, so the step is the host's), at ``tp`` with the strategy ``auto`` picks, in the
+    dtype a run on this device trains in."""
+    return build_config(
+        overrides=[
+            ("model.preset", "tiny"),
+            ("model.arch", "cola"),
+            ("model.vocab_size", "512"),
+            ("data.seq_len", "8"),
+            ("train.batch_size", "1"),
+            ("train.dtype", "bfloat16" if cuda else "float32"),
+            ("parallel.tp", str(tp)),
+        ]
+    )
+
+
+def _host_op_sample(device: torch.device) -> tuple[float, int]:
+    """(host seconds per dispatched op, ops per step) of the trainer's step on this rank."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = host_op_config(tp, not platform_for(device).is_host)
+    return host_seconds_per_op(trainer_step(cfg, device))
+
+
+PAIR_JOBS: dict[str, Callable[[torch.device], object]] = {
+    "allreduce": _allreduce_samples,
+    "host_op": _host_op_sample,
+}
+
+
+def _pair_rank(rank: int, port: int, kind: str, job: str, threads: int, queue) -> None:
     import torch.distributed as dist
 
     try:
         platform = platform_for(kind)
         device = platform.claim(rank)
+        torch.set_num_threads(threads)
         dist.init_process_group(
             platform.backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -145,21 +194,18 @@ def _allreduce_rank(rank: int, port: int, kind: str, queue) -> None:
             world_size=2,
             timeout=timedelta(seconds=120),
         )
-        samples = []
-        for nbytes in ALLREDUCE_BYTES:
-            x = torch.ones(nbytes // 4, device=device)
-            dist.barrier()
-            samples.append((nbytes, _time(lambda x=x: dist.all_reduce(x), device)))
+        result = PAIR_JOBS[job](device)
         if rank == 0:
-            queue.put(samples)
+            queue.put(result)
         dist.destroy_process_group()
     except BaseException as exc:  # tell the parent now instead of letting it time out
         queue.put(RuntimeError(f"calibrate rank {rank}: {type(exc).__name__}: {exc}"))
         raise
 
 
-def measure_allreduce(device: torch.device) -> list[tuple[int, float]]:
-    """All-reduce seconds by payload between two local processes (same count on each)."""
+def _on_two_processes(device: torch.device, job: str, threads: int = 1):
+    """Rank 0's result of ``PAIR_JOBS[job]`` run by two local processes (``threads``
+    torch threads each)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -170,7 +216,8 @@ def measure_allreduce(device: torch.device) -> list[tuple[int, float]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_allreduce_rank, args=(r, port, device.type, queue)) for r in range(2)
+        ctx.Process(target=_pair_rank, args=(r, port, device.type, job, threads, queue))
+        for r in range(2)
     ]
     for p in procs:
         p.start()
@@ -184,6 +231,22 @@ def measure_allreduce(device: torch.device) -> list[tuple[int, float]]:
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def measure_allreduce(device: torch.device) -> list[tuple[int, float]]:
+    """All-reduce seconds by payload between two local processes (same count on each)."""
+    return _on_two_processes(device, "allreduce")
+
+
+def measure_host_op(device: torch.device, pair: bool, threads: int = 1) -> tuple[float, int]:
+    """(host seconds per dispatched aten op, ops per step) of the trainer's own step.
+
+    ``pair``: on two processes at TP 2, as a tensor-parallel rank dispatches (distributed
+    parameters and collectives cost the host more per op than one process's plain model);
+    else in this process."""
+    if pair:
+        return _on_two_processes(device, "host_op", threads)
+    return _host_op_sample(device)
 
 
 def fit_allreduce(samples: list[tuple[int, float]], launch: float) -> Link:
@@ -220,6 +283,7 @@ def calibrate(
         big = measure_gemms([shapes[-1]], other, device)
         other_peak = max(2 * m * k * n / t / (eff * _shape(m, k, n, half)) for m, k, n, t in big)
         attention = measure_attention(dtype, device)
+        host_op, host_ops = measure_host_op(device, platform.can_pair(), torch.get_num_threads())
     finally:
         torch.set_num_threads(saved)
     attention_eff = fit_attention(attention, peak, eff, half)
@@ -247,6 +311,7 @@ def calibrate(
         gemm_half_dim=half,
         memory_efficiency=mem_eff,
         launch=launch,
+        host_op=host_op,
         attention_efficiency=attention_eff,
         device="gpu" if cuda else "cpu",
         intra=link,
@@ -258,6 +323,8 @@ def calibrate(
             "copy_gbps": bandwidth / GB,
             "attention_fwd_bwd_seconds": [[*shape, t] for shape, t in attention],
             "allreduce_2ranks_seconds": [[b, t] for b, t in samples],
+            "host_ops_per_step": host_ops,
+            "host_op_ranks": 2 if platform.can_pair() else 1,
         },
     )
     path = out or user_dir() / "local.toml"
@@ -267,6 +334,8 @@ def calibrate(
         "# peak = best GEMM rate; gemm_efficiency/gemm_half_dim fitted to the GEMM sweep;\n"
         "# hbm_gbps = a large copy; memory_efficiency = an eager add's bandwidth over it;\n"
         "# launch_us = a small op's forward + backward under autograd, per kernel;\n"
+        "# host_op_us = the host's CPU time per dispatched aten op of a tiny CoLA model's\n"
+        "#   trainer step (TP 2 on two processes where two fit, else one);\n"
         "# attention_efficiency = causal SDPA forward + backward over the GEMM roofline;\n"
         f"# links = {link_source}.\n"
     )

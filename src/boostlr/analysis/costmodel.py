@@ -6,8 +6,7 @@ formulas the tests check against the ledger of real runs (``comm_metrics`` is ex
 
 * each rank's forward and backward of one micro-batch, and the optimizer step, from
   :mod:`boostlr.analysis.chunktime` (GEMMs on a roofline, element-wise bytes, launches, TP
-  collectives on the critical path; host Python is assumed to overlap the asynchronous
-  kernels, as on a GPU);
+  collectives on the critical path);
 * the pipeline as torch's schedule runs it (:mod:`boostlr.analysis.schedule`): every rank's
   program of chunks and point-to-point exchanges (``α + n/B`` per boundary, on the link the
   pp ranks span; ranks laid out tp-fastest, then dp, then pp), timed; the bubble is what
@@ -17,8 +16,9 @@ formulas the tests check against the ledger of real runs (``comm_metrics`` is ex
   pipeline in ``ddp`` mode the stage's gradient reduction after the last backward is exposed
   whole;
 * the step's fixed costs (:mod:`boostlr.analysis.fixed`: optimizer, clipping, gradient
-  accumulation, weight casts) in series after the schedule; the launches and the collective
-  latency (α) inside the times above are reported as their share (``fixed``).
+  accumulation, weight casts, the host's dispatch beyond the launches) in series after the
+  schedule; the launches and the collective latency (α) inside the times above are
+  reported as their share (``fixed``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from boostlr.analysis.fixed import (
     CLIP_PASSES,
     FUSED_ADAMW_BYTES,
     fixed_parts,
+    host_dispatch_time,
+    host_ops,
     kernel_mode,
     optimizer_time,
 )
@@ -371,13 +373,15 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             if exposed > dp_exposed:
                 dp_exposed, dp_total, dp_alpha = exposed, t_dp, alpha_dp
     fixed = max((fixed_parts(cfg, hw, params[r]) for r in ranks), key=lambda f: sum(f.values()))
+    kernels = steps * mb * slowest.kernels
+    fixed["host_dispatch_s"] = host_dispatch_time(cfg, hw, kernels)
     serial = sum(fixed.values())  # optimizer, clipping, accumulation, casts: in series
     compute = compute_only + serial
     moe_parts = moe_comm_times(cfg, hw, params[0], comm_metrics(cfg)) if is_moe(m) else {}
     moe_comm = sum(v for k, v in moe_parts.items() if not k.endswith("_alpha_s"))
     comm = tp_comm + pp_comm + dp_exposed + moe_comm  # moe's: none overlaps compute
     step = busy + bubble + pp_comm + dp_exposed + serial + moe_comm
-    launch = steps * mb * slowest.kernels * hw.launch
+    launch = kernels * hw.launch
     alphas = {
         "tp_alpha_s": steps * mb * slowest.tp_alpha,
         "pp_alpha_s": pp_alpha,
@@ -438,9 +442,11 @@ def predict(cfg: RunConfig, hw: HardwareProfile) -> Prediction:
             **alphas,
             "fixed_s": fixed_s,
             "fixed_share": fixed_s / step if step else 0.0,
-            "kernels_per_step": steps * mb * slowest.kernels,
+            "kernels_per_step": kernels,
             "kernel_mode": kernel_mode(cfg),
             "launch_us": hw.launch * 1e6,
+            "host_ops_per_step": host_ops(cfg, kernels),
+            "host_op_us": hw.host_op_cost * 1e6,
         },
     )
 

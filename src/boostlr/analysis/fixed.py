@@ -17,7 +17,14 @@ profile's constants (each with its public source in the profile's comments):
   each way); FSDP's mixed precision casts the shard before the gather instead;
 * kernel launches (the profile's ``launch_us`` per kernel, eager or compiled as
   ``train.compile`` says) and collective latency (α), both already inside the chunk and
-  collective times: reported as their share.
+  collective times: reported as their share;
+* the host's dispatch beyond the launches: eager PyTorch dispatches about twice as many
+  aten ops as it launches kernels (views, wrappers, casts to a tensor's own dtype; more
+  under BTP and bf16: ``specs.strategy.host_ops_per_kernel``), and each costs the host
+  ``host_op_us`` (Python, the dispatcher, autograd's record) whether or not it launches. The
+  host's time for the step's ops, less the launches already charged, is added in series:
+  where a step is host-bound (one short sequence per micro-batch, or any step on a CPU) the
+  device waits for it. Under ``train.compile`` a region is one graph call: no term.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from boostlr.analysis.chunktime import collective_alpha, microbatching, stream_t
 from boostlr.analysis.hardware import HardwareProfile
 from boostlr.analysis.memory import RankParams
 from boostlr.config import RunConfig
+from boostlr.specs.strategy import host_ops_per_kernel
 
 # fp32 bytes per parameter, every operand read and every result written once
 # (tests/test_costmodel.py checks torch dispatches these ops):
@@ -110,3 +118,16 @@ def fixed_parts(cfg: RunConfig, hw: HardwareProfile, params: RankParams) -> dict
 def kernel_mode(cfg: RunConfig) -> str:
     """What the launch count assumes: ``compiled`` (``train.compile``) or ``eager``."""
     return "compiled" if cfg.train.compile else "eager"
+
+
+def host_ops(cfg: RunConfig, kernels: int) -> float:
+    """Aten ops the host dispatches for ``kernels`` planned kernels (eager), 0 compiled."""
+    if cfg.train.compile:
+        return 0.0
+    strategy = cfg.parallel.strategy_for(cfg.model.arch) if cfg.parallel.tp > 1 else None
+    return kernels * host_ops_per_kernel(strategy, cfg.train.dtype)
+
+
+def host_dispatch_time(cfg: RunConfig, hw: HardwareProfile, kernels: int) -> float:
+    """Host seconds of a step's dispatch beyond the per-kernel launches already charged."""
+    return max(0.0, host_ops(cfg, kernels) * hw.host_op_cost - kernels * hw.launch)

@@ -77,6 +77,9 @@ class HardwareProfile:
     # part of the chip (wave quantization). 0 SMs: not modelled (a CPU).
     sm_count: int = 0
     gemm_tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 128), (128, 64))
+    # Host seconds per dispatched aten op (views and no-op casts included: each pays Python,
+    # the dispatcher and autograd whether or not it launches a kernel). 0: ``launch``.
+    host_op: float = 0.0
     device: str = "gpu"  # what was measured: "gpu" (shipped, or calibrated on CUDA) or "cpu"
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -114,6 +117,11 @@ class HardwareProfile:
             best = max(best, m * n * count * split / (waves * self.sm_count * tm * tn))
         return best
 
+    @property
+    def host_op_cost(self) -> float:
+        """Seconds of host time per dispatched op (``host_op``, else ``launch``)."""
+        return self.host_op or self.launch
+
     def link(self, group_span: int) -> Link:
         """The slowest link a group spanning ``group_span`` consecutive ranks uses."""
         return self.intra if group_span <= self.gpus_per_node else self.inter
@@ -135,6 +143,7 @@ class HardwareProfile:
                 "memory_efficiency": self.memory_efficiency,
                 "attention_efficiency": self.attention_efficiency,
                 "launch_us": self.launch * 1e6,
+                **({"host_op_us": self.host_op * 1e6} if self.host_op else {}),
                 "stream_efficiency": self.stream_efficiency,
                 "sm_count": self.sm_count,
                 "gemm_tiles": [list(t) for t in self.gemm_tiles],
@@ -182,6 +191,7 @@ def profile_from_dict(data: dict[str, Any], where: str) -> HardwareProfile:
             gemm_half_dim=float(_req(compute, "gemm_half_dim", where)),
             memory_efficiency=float(_req(compute, "memory_efficiency", where)),
             launch=float(compute.get("launch_us", 0.0)) * 1e-6,
+            host_op=float(compute.get("host_op_us", 0.0)) * 1e-6,
             intra=_link(intra, where),
             inter=_link(inter, where),
             stream_efficiency=float(compute.get("stream_efficiency", 1.0)),

@@ -132,6 +132,7 @@ FIXED_TERMS = (  # (key of Prediction.fixed, label)
     ("grad_accumulation_s", "grad accum"),
     ("weight_cast_s", "bf16 casts"),
     ("launch_s", "launches"),
+    ("host_dispatch_s", "host dispatch"),
     ("tp_alpha_s", "tp α"),
     ("pp_alpha_s", "pp α"),
     ("dp_alpha_s", "dp α"),
@@ -157,7 +158,8 @@ def print_fixed(rows: list) -> None:
     mode = rows[0].fixed["kernel_mode"]
     print(
         f"fixed costs per step (seconds; {mode} kernels at "
-        f"{rows[0].fixed['launch_us']:.1f} µs each, train.compile decides):"
+        f"{rows[0].fixed['launch_us']:.1f} µs each, {rows[0].fixed['host_op_us']:.1f} µs of "
+        "host per dispatched op, train.compile decides):"
     )
     for r in rows:
         f = r.fixed
@@ -165,7 +167,7 @@ def print_fixed(rows: list) -> None:
         print(
             f"  {r.arch} {r.strategy or '(tp 1)'}: {f['fixed_s']:.3f} s = "
             f"{100 * f['fixed_share']:.0f}% of the step ({terms}; "
-            f"{f['kernels_per_step']} kernels)"
+            f"{f['kernels_per_step']} kernels, {f['host_ops_per_step']:.0f} host ops)"
         )
     dominated = [r for r in rows if r.fixed["fixed_share"] > FIXED_DOMINATE]
     if dominated:

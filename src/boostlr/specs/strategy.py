@@ -98,6 +98,15 @@ def _btp_final(s: BlockShape) -> Traffic:
     return Traffic(once, once, 2, 2)
 
 
+#: Aten ops the host dispatches per kernel the plan counts (``gemms.block_kernels`` plus the
+#: GEMMs), (fp32, bf16): eager PyTorch adds about one view or wrapper per kernel (a weight's
+#: ``t``, a ``reshape``, an autograd ``detach``, a cast to the dtype a tensor already has),
+#: and bf16 autocast adds the casts of each GEMM's operands. Counted per block by
+#: ``benchmarks/dispatch_census.py`` (the plain model, megatron and vanilla alike);
+#: ``tests/test_host_ops.py`` holds every strategy's figure against a real step.
+HOST_OPS_PER_KERNEL = (2.1, 2.4)
+
+
 @dataclass(frozen=True)
 class StrategySpec:
     """One strategy's facts.
@@ -113,8 +122,9 @@ class StrategySpec:
     the head can share one table under it. ``block_traffic`` / ``first_traffic`` /
     ``last_traffic``: its collectives per block, on a first stage (embedding) and on a last
     one (beside the loss statistics every strategy combines); ``tied_first_traffic``: the
-    first stage's with a tied table, when it differs. ``colour`` / ``line``: how the
-    plots draw it.
+    first stage's with a tied table, when it differs. ``host_ops_per_kernel``: (fp32, bf16)
+    aten ops its ranks dispatch per planned kernel (:data:`HOST_OPS_PER_KERNEL`).
+    ``colour`` / ``line``: how the plots draw it.
     """
 
     name: str
@@ -129,6 +139,7 @@ class StrategySpec:
     first_traffic: Callable[[BlockShape], Traffic] = _vocab_parallel_embedding
     tied_first_traffic: Callable[[BlockShape], Traffic] | None = None
     last_traffic: Callable[[BlockShape], Traffic] = _head_input_grad
+    host_ops_per_kernel: tuple[float, float] = HOST_OPS_PER_KERNEL
     colour: str = "black"
     line: str = "-"
 
@@ -174,6 +185,9 @@ BTP = StrategySpec(
     first_traffic=_no_traffic,  # a local lookup of this rank's d-slice
     tied_first_traffic=_btp_tied_embedding,  # tied: split as the head, reduce-scattered
     last_traffic=_btp_final,
+    # Online RMSNorm's fp32 statistics and the grouped GEMMs' gradient casts: more casts
+    # (no-ops in fp32, kernels in bf16) than the other strategies.
+    host_ops_per_kernel=(2.7, 3.3),
     colour="#1f77b4",
     line="o-",
 )
@@ -191,6 +205,14 @@ def strategy_spec(name: str) -> StrategySpec:
 def spec_or_none(name: str | None) -> StrategySpec | None:
     """:func:`strategy_spec`, with ``None`` (the plain single-device model) passed through."""
     return None if name is None else strategy_spec(name)
+
+
+def host_ops_per_kernel(strategy: str | None, dtype: str) -> float:
+    """Aten ops a rank dispatches per planned kernel under ``strategy`` (``None``: the plain
+    model) in ``dtype`` (``"float32"`` or ``"bfloat16"``)."""
+    s = spec_or_none(strategy)
+    fp32, bf16 = s.host_ops_per_kernel if s is not None else HOST_OPS_PER_KERNEL
+    return bf16 if dtype == "bfloat16" else fp32
 
 
 def default_strategy(arch: ArchSpec) -> StrategySpec:
