@@ -113,9 +113,7 @@ def test_host_dispatch_is_the_ops_per_kernel_at_the_host_cost_less_the_launches(
     assert host_dispatch_time(_cfg(**{"train.compile": "true"}), slow_host, 1000) == 0.0
     fixed = predict(btp, A100).fixed
     assert fixed["host_ops_per_step"] == pytest.approx(3.3 * fixed["kernels_per_step"])
-    assert fixed["host_dispatch_s"] == pytest.approx(
-        fixed["kernels_per_step"] * (3.3 - 1) * LAUNCH
-    )
+    assert fixed["host_dispatch_s"] == pytest.approx(fixed["kernels_per_step"] * (3.3 - 1) * LAUNCH)
     # In series: the step grows by exactly the term when the host gets slower.
     slower = dataclasses.replace(A100, host_op=2 * LAUNCH)
     grown = predict(btp, slower).step_time - predict(btp, A100).step_time

@@ -112,9 +112,8 @@ def test_programs_follow_the_traced_trainer(schedule: str) -> None:
 def test_paper_13b_pipeline_row_is_the_simulated_schedule() -> None:
     """The 13B tp4 x pp2 row: the step is the simulated span of the two stages' chunks
     (plus the fixed costs in series: optimizer, clipping, accumulation, casts, the host's
-    dispatch), and its
-    bubble is between one slowest slot and ``p - 1`` of them plus the imbalance (the first
-    stage is faster: no head)."""
+    dispatch), and its bubble is between one slowest slot and ``p - 1`` of them plus the
+    imbalance (the first stage is faster: no head)."""
     hw = load_profile("a100-40gb")
     over = {
         "model.preset": "13B",
