@@ -175,8 +175,8 @@ def print_fixed(rows: list) -> None:
         print(
             f"fixed costs dominate {len(dominated)} of {len(rows)} rows (up to "
             f"{100 * worst:.0f}% of the step): the ranking there is set by launches, host "
-            "dispatch, latency and the optimizer, not by the strategies' GEMMs and traffic; a larger "
-            "train.batch_size (or train.compile) amortizes them"
+            "dispatch, latency and the optimizer, not by the strategies' GEMMs and traffic; a "
+            "larger train.batch_size (or train.compile) amortizes them"
         )
 
 

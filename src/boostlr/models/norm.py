@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from boostlr.models.params import local
+from boostlr.models.params import in_dtype, local
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Functional form, shared with tensor-parallel code that holds gathered gains."""
     dtype = x.dtype
-    x32 = x.float()
+    x32 = in_dtype(x, torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * in_dtype(x32, dtype)
 
 
 class RMSNorm(nn.Module):

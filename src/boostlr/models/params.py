@@ -22,7 +22,13 @@ def local(p: Tensor) -> Tensor:
     optimizer updates; its gradient is accumulated in fp32.
     """
     t = p.to_local() if isinstance(p, DTensor) else p
-    dtype = forward_dtype(t)
+    return in_dtype(t, forward_dtype(t))
+
+
+def in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``: itself when it already is. ``t.to(dtype)`` returns its input then
+    too, but still costs the host a dispatch (an op a step pays on every call, and the plan
+    charges: ``specs.strategy.host_ops_per_kernel``)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 

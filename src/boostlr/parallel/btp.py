@@ -33,7 +33,7 @@ from boostlr.models.lowrank import LowRankLinear
 from boostlr.models.mlp import GATED, gated
 from boostlr.models.moe import MOE
 from boostlr.models.norm import rms_norm
-from boostlr.models.params import local
+from boostlr.models.params import in_dtype, local
 from boostlr.parallel import btp_moe
 from boostlr.parallel.collectives import (
     PendingAllReduce,
@@ -107,11 +107,11 @@ class _GroupedDown(torch.autograd.Function):
         y, *downs = ctx.saved_tensors
         with torch.autocast(ctx.device, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
             grad = torch.cat(grads, -1)
-            grad_y = torch.matmul(grad, torch.cat(downs)).to(y.dtype)
+            grad_y = in_dtype(torch.matmul(grad, torch.cat(downs)), y.dtype)
             grad_w = torch.matmul(grad.flatten(0, -2).t(), y.flatten(0, -2))
         return (
             grad_y,
-            *(g.to(a.dtype) for g, a in zip(grad_w.split(ctx.sizes), downs, strict=True)),
+            *(in_dtype(g, a.dtype) for g, a in zip(grad_w.split(ctx.sizes), downs, strict=True)),
         )
 
 
@@ -133,12 +133,12 @@ def _norm_down_partial(
     """
     if whole:
         return tuple(_down(rms_norm(x, gain, eps), downs, grouped))
-    x32 = x.float()
+    x32 = in_dtype(x, torch.float32)
     ss = x32.pow(2).sum(-1, keepdim=True)
     # A constant scale (its gradient terms cancel exactly), so it is detached.
     local_rms = torch.sqrt(ss / x.shape[-1] + 1e-12).detach()
-    y = gain * (x32 / local_rms).to(x.dtype)
-    return (ss, *(p.float() * local_rms for p in _down(y, downs, grouped)))
+    y = gain * in_dtype(x32 / local_rms, x.dtype)
+    return (ss, *(in_dtype(p, torch.float32) * local_rms for p in _down(y, downs, grouped)))
 
 
 def stats_hi_bits(tp: int) -> int:
@@ -163,12 +163,12 @@ def split_stats(ss: Tensor, dtype: torch.dtype, tp: int) -> Tensor:
     bits = stats_hi_bits(tp)
     mantissa, exponent = torch.frexp(ss.detach())
     hi = torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent)
-    return torch.cat([hi, ss - hi], -1).to(dtype)
+    return in_dtype(torch.cat([hi, ss - hi], -1), dtype)
 
 
 def join_stats(columns: Tensor) -> Tensor:
     """The all-reduced :func:`split_stats` columns back to one fp32 ``Σx²`` ``[T, 1]``."""
-    return columns.float().sum(-1, keepdim=True)
+    return in_dtype(columns, torch.float32).sum(-1, keepdim=True)
 
 
 def _reduce_norm_down(
@@ -187,13 +187,13 @@ def _reduce_norm_down(
     sizes = [p.shape[-1] for p in partials]
     comm = ctx.comm
     if ctx.norm == "sync":
-        ss = reduce_from_group(parts[0].float(), comm, f"{tag}.norm_stats")
+        ss = reduce_from_group(in_dtype(parts[0], torch.float32), comm, f"{tag}.norm_stats")
         if ctx.grouping:
             partials = list(reduce_from_group(torch.cat(partials, -1), comm, tag).split(sizes, -1))
         else:
             partials = [reduce_from_group(p, comm, f"{tag}.{i}") for i, p in enumerate(partials)]
         return list(_Normalise.apply(dim, eps, ss, *partials))
-    stats = split_stats(parts[0].float(), partials[0].dtype, comm.size)
+    stats = split_stats(in_dtype(parts[0], torch.float32), partials[0].dtype, comm.size)
     if ctx.grouping:
         packed = reduce_from_group(torch.cat([*partials, stats], -1), comm, tag)
         *partials, stats = packed.split([*sizes, stats.shape[-1]], -1)
@@ -217,8 +217,8 @@ class _Normalise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dim: int, eps: float, ss: Tensor, *partials: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        inv = torch.rsqrt(ss.float() / dim + eps)
-        ys = tuple(p.float() * inv for p in partials)
+        inv = torch.rsqrt(in_dtype(ss, torch.float32) / dim + eps)
+        ys = tuple(in_dtype(p, torch.float32) * inv for p in partials)
         ctx.dim, ctx.dtypes, ctx.ss_dtype = dim, [p.dtype for p in partials], ss.dtype
         ctx.save_for_backward(inv, *ys)
         return ys
@@ -228,8 +228,8 @@ class _Normalise(torch.autograd.Function):
         inv, *ys = ctx.saved_tensors
         dot = sum((g * y).sum(-1, keepdim=True) for g, y in zip(grads, ys, strict=True))
         grad_ss = (-0.5 / ctx.dim) * inv * inv * dot
-        grad_p = [(g * inv).to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)]
-        return (None, None, grad_ss.to(ctx.ss_dtype), *grad_p)
+        grad_p = [in_dtype(g * inv, dt) for g, dt in zip(grads, ctx.dtypes, strict=True)]
+        return (None, None, in_dtype(grad_ss, ctx.ss_dtype), *grad_p)
 
 
 # ------------------------------------------------------------------------ latents + up-proj
@@ -304,11 +304,13 @@ class _UpProjection(torch.autograd.Function):
         n = len(saved) // 2
         hs, ws = saved[:n], saved[n:]
         with torch.autocast(ctx.device, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
-            grad_h = [torch.matmul(g, w).to(h.dtype) for g, w, h in zip(grads, ws, hs, strict=True)]
+            grad_h = [
+                in_dtype(torch.matmul(g, w), h.dtype) for g, w, h in zip(grads, ws, hs, strict=True)
+            ]
             if ctx.pending is not None:
                 ctx.pending.start(grad_h[0] if n == 1 else torch.cat(grad_h, -1))
             grad_w = [
-                torch.matmul(g.flatten(0, -2).t(), h.flatten(0, -2)).to(w.dtype)
+                in_dtype(torch.matmul(g.flatten(0, -2).t(), h.flatten(0, -2)), w.dtype)
                 for g, w, h in zip(grads, ws, hs, strict=True)
             ]
         return (None, None, *grad_h, *grad_w)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from boostlr.config import ModelConfig
 from boostlr.models.llama import LlamaModel, rope_tables
-from boostlr.models.params import local
+from boostlr.models.params import in_dtype, local
 from boostlr.models.placement import shard_dim
 from boostlr.models.shapes import crossing_latents
 from boostlr.parallel.compile import compiled
@@ -48,7 +48,7 @@ def boundary_dtypes(cfg: ModelConfig, dtype: torch.dtype, layer: int) -> list[to
 
 def to_boundary(outputs: tuple[Tensor, ...], dtypes: list[torch.dtype]) -> tuple[Tensor, ...]:
     """A stage's outputs as declared: each contiguous (p2p sends need it) in its dtype."""
-    return tuple(t.to(dt).contiguous() for t, dt in zip(outputs, dtypes, strict=True))
+    return tuple(in_dtype(t, dt).contiguous() for t, dt in zip(outputs, dtypes, strict=True))
 
 
 class TensorParallelModel(nn.Module):
@@ -98,7 +98,7 @@ class TensorParallelModel(nn.Module):
             tokens, *rest = inputs
             targets = rest[0] if rest else targets
             x = self.model.embed_tokens(tokens, impl=lambda _, t: s.embed(self.model, t, ctx))
-            x = x.to(RESIDUAL_DTYPE)
+            x = in_dtype(x, RESIDUAL_DTYPE)
             z = None
         else:
             x, *zs = inputs
