@@ -1,7 +1,7 @@
 """The host's dispatched aten ops per planned kernel, as the cost model charges them (its
 host term, issue 47), held against real trainer steps: each strategy's
 ``host_ops_per_kernel`` (``specs/strategy.py``) within 15% of what a block dispatches on real
-gloo ranks at TP 2, and the plain model's in one process, in fp32 and bf16. A change to the
+gloo ranks at TP 2, and the plain model's on one rank, in fp32 and bf16. A change to the
 runtime that adds or removes per-op work (a cast, a view, a wrapper) fails here until the
 spec says it."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 from distributed import run_distributed
 
@@ -22,6 +21,7 @@ from boostlr.specs.strategy import host_ops_per_kernel
 TOLERANCE = 0.15
 DTYPES = ("float32", "bfloat16")
 TP_CASES = (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"))
+PLAIN_ARCHS = ("full", "cola", "lax")
 
 
 def _config(arch: str, strategy: str | None, dtype: str, layers: int) -> RunConfig:
@@ -68,9 +68,16 @@ def test_each_strategy_dispatches_its_specs_ops_per_kernel_at_tp2() -> None:
     assert not [m for m in misses if m], misses
 
 
-@pytest.mark.parametrize("arch", ["full", "cola"])
-def test_the_plain_model_dispatches_the_default_ops_per_kernel(arch: str) -> None:
-    misses = [_check(None, d, *_block(arch, None, d)) for d in DTYPES]
+def _plain_blocks(rank: int, world_size: int) -> list[tuple[int, int]]:
+    torch.set_num_threads(1)
+    return [_block(a, None, d) for a in PLAIN_ARCHS for d in DTYPES]
+
+
+def test_the_plain_model_dispatches_the_default_ops_per_kernel() -> None:
+    """At TP 1 in a one-rank process group, as ``torchrun`` starts a one-GPU run."""
+    blocks = run_distributed(_plain_blocks, 1, timeout_s=600)[0]
+    cases = [(a, d) for a in PLAIN_ARCHS for d in DTYPES]
+    misses = [_check(None, d, *b) for (_, d), b in zip(cases, blocks, strict=True)]
     assert not [m for m in misses if m], misses
 
 
