@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 
 import torch
@@ -38,7 +37,7 @@ from common import bench_config
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import load_profile
 from boostlr.config import RunConfig, from_dict, to_dict
-from boostlr.host_ops import count_dispatched
+from boostlr.host_ops import step_census
 
 STRATEGIES = [("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")]
 TP = 2
@@ -54,7 +53,6 @@ def config(args: argparse.Namespace, arch: str, strategy: str, layers: int) -> R
 def rank_entry(cfg_dicts: list[dict]) -> list[dict[str, int]]:
     """Per config: the outermost aten ops of one profiled step, by class."""
     import torch.distributed as dist
-    from common import Part, random_batch
 
     from boostlr.parallel.launch import init_distributed
 
@@ -62,18 +60,7 @@ def rank_entry(cfg_dicts: list[dict]) -> list[dict[str, int]]:
     device = torch.device("cpu")
     init_distributed(device, TP)
     torch.set_num_threads(1)
-    out = []
-    for d in cfg_dicts:
-        cfg = from_dict(d)
-        part = Part.build(cfg, device)
-        inputs, targets = random_batch(
-            cfg.model.vocab_size, cfg.train.batch_size, cfg.data.seq_len, device
-        )
-        for _ in range(2):  # warm-up: the optimizer's state exists, caches are filled
-            part.step(inputs, targets)
-        step = functools.partial(part.step, inputs, targets)
-        out.append(dict(count_dispatched(step)))
-        del part, step
+    out = [dict(step_census(from_dict(d), device)) for d in cfg_dicts]
     dist.destroy_process_group()
     return out
 

@@ -15,7 +15,7 @@ from distributed import run_distributed
 from boostlr.analysis.costmodel import predict
 from boostlr.analysis.hardware import load_profile
 from boostlr.config import RunConfig, build_config
-from boostlr.host_ops import classify, count_dispatched, host_seconds_per_op, trainer_step
+from boostlr.host_ops import classify, count_dispatched, host_seconds_per_op, step_census
 from boostlr.specs.strategy import host_ops_per_kernel
 
 TOLERANCE = 0.15
@@ -34,10 +34,7 @@ def _config(arch: str, strategy: str | None, dtype: str, layers: int) -> RunConf
 
 
 def _ops(cfg: RunConfig) -> int:
-    step = trainer_step(cfg, torch.device("cpu"))
-    for _ in range(2):  # the optimizer's state exists, caches are filled
-        step()
-    return sum(count_dispatched(step).values())
+    return sum(step_census(cfg, torch.device("cpu")).values())
 
 
 def _block(arch: str, strategy: str | None, dtype: str) -> tuple[int, int]:

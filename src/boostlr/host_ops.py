@@ -98,7 +98,17 @@ def trainer_step(cfg, device: torch.device) -> Callable[[], None]:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model.forward_backward(inputs, targets)
         model.global_mean(loss)
+        model.reduce_expert_gradients()
         model.clip_gradients(cfg.train.grad_clip)
         optimizer.step()
 
     return step
+
+
+def step_census(cfg, device: torch.device) -> collections.Counter[str]:
+    """:func:`count_dispatched` of one :func:`trainer_step` of ``cfg``, after two warm-up
+    steps (the optimizer's state exists, caches are filled)."""
+    step = trainer_step(cfg, device)
+    for _ in range(2):
+        step()
+    return count_dispatched(step)
