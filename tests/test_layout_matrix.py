@@ -88,9 +88,13 @@ MOE_TP_LAYOUTS = {
     8: [("moe pp2dp2ep2tp2", 2, 2, 2, 2)],
 }
 
-# A capacity at ep > 1 (fixed-shape all-to-alls): capacity per rank's micro-batch, so its
-# one device runs each dp rank's share of the batch as its own forward (what dp at ep 1 runs).
-MOE_CAPACITY_LAYOUTS = {2: [("moe dp2ep2 capacity", 1, 2, 2)]}
+# A capacity at ep > 1 (fixed-shape all-to-alls), and under a pipeline: capacity per forward,
+# so its one device runs each dp rank's share of the batch, and under a pipeline each
+# pipeline micro-batch of it, as a forward of its own (what the trainer's forwards are).
+MOE_CAPACITY_LAYOUTS = {
+    2: [("moe dp2ep2 capacity", 1, 2, 2), ("moe pp2 capacity", 2, 1, 1)],
+    4: [("moe pp2dp2ep2 capacity", 2, 2, 2)],
+}
 CAPACITY = 1.0
 
 
@@ -146,8 +150,8 @@ def _exact(
 
 
 def _one_device_loss(ref: torch.nn.Module, inputs, targets, shares: int) -> torch.Tensor:
-    """The mean loss of the batch, as ``shares`` forwards of equal row blocks (one per dp
-    rank, for a capacity, which drops per forward) or one."""
+    """The mean loss of the batch, as ``shares`` forwards of equal row blocks (for a
+    capacity, which drops per forward: one per dp rank and pipeline micro-batch) or one."""
     rows = inputs.shape[0] // shares
     losses = [ref(inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows])
               for i in range(shares)]  # fmt: skip
@@ -165,7 +169,9 @@ def follow(cfg, steps: int) -> dict:
     b, dp_rank = cfg.train.batch_size, model.comms.dp.rank
     mine = slice(dp_rank * b, (dp_rank + 1) * b)
     inputs, targets = global_batch(cfg)  # one batch throughout: the loss must fall
-    shares = cfg.parallel.dp if cfg.model.moe_capacity else 1
+    par = cfg.parallel
+    forwards = par.dp * (par.pp_microbatches if par.pp > 1 else 1)  # the trainer's per step
+    shares = forwards if cfg.model.moe_capacity else 1
     report: dict = {"steps": []}
     for step in range(steps):
         if step:  # before the first step both hold the seeded init (layout-free by design)
@@ -217,8 +223,9 @@ def follow(cfg, steps: int) -> dict:
         with torch.no_grad():
             for name, p in ref_params.items():
                 p.copy_(weights[name])
+            evaluated = par.dp if cfg.model.moe_capacity else 1  # a forward per rank's rows
             with autocast:
-                ref_eval = ref(inputs, targets).item()
+                ref_eval = _one_device_loss(ref, inputs, targets, evaluated).item()
         report["eval"] = (model.evaluate([(inputs[mine], targets[mine])], autocast), ref_eval)
     report["param_dtypes"] = {str(p.dtype) for p in model.parameters()}
     report["pp_rank"] = model.comms.pp.rank
