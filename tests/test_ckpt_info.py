@@ -87,6 +87,21 @@ def test_info_reports_and_verifies_a_one_process_checkpoint(
     assert code == 0 and "step        3\n" in out
 
 
+def test_info_names_the_expert_parallel_degree(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint written at ep > 1 records ``ep`` in its layout; the report names it."""
+    ckpt = Path(shutil.copytree(run_dir / "checkpoints" / "step_6", tmp_path / "step_6"))
+    meta_path = ckpt / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["layout"] |= {"dp": 2, "ep": 2}
+    meta_path.write_text(json.dumps(meta))
+    code, text, _ = ckpt_info([str(ckpt)], capsys)
+    assert code == 0 and "layout      pp 1 x dp 2 x tp 1, ep 2\n" in text, text
+    code, out, _ = ckpt_info([str(ckpt), "--json"], capsys)
+    assert json.loads(out)["layout"]["ep"] == 2
+
+
 def test_progress_bar_on_a_terminal(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

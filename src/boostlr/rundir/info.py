@@ -173,9 +173,12 @@ def _hash_progress(enabled: bool, total: int) -> Iterator[Callable[[int], None]]
 def _layout(layout: Any) -> str:
     if not isinstance(layout, dict):
         return "not recorded"
-    degrees = " x ".join(f"{k} {layout[k]}" for k in ("pp", "dp", "tp") if k in layout)
-    strategy = layout.get("strategy")
-    return f"{degrees}, strategy {strategy}" if strategy else degrees
+    parts = [" x ".join(f"{k} {layout[k]}" for k in ("pp", "dp", "tp") if k in layout)]
+    if layout.get("ep"):  # experts over ep ranks carved out of dp (recorded only at ep > 1)
+        parts.append(f"ep {layout['ep']}")
+    if layout.get("strategy"):
+        parts.append(f"strategy {layout['strategy']}")
+    return ", ".join(parts)
 
 
 def _model(model: Any) -> str:
