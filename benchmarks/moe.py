@@ -17,8 +17,10 @@ r back), twice for the backward's reverse all-to-alls, plus the count exchange (
 — and their ratio, which must be exactly 1; the
 median step time (forward, backward, expert-gradient reduction, clipping, AdamW, the
 balance-bias update: the trainer's step); the share of it blocked in ep collectives; the
-peak host memory of the step per rank (the rank's parameters and AdamW state plus the
-highest allocation the step reached above them, sampled from the allocator; the largest
+step's CPU seconds summed over the ranks (the work: where ranks outnumber cores, as ep 4 on
+two, the step time follows it, not the bytes); the peak host memory of the step per rank
+(the rank's parameters and AdamW state plus the highest allocation the step reached above
+them, sampled from the allocator; the largest
 rank's). Then the issue's goals: CoLA latent's step time over dense MoE's (≤ 0.7 at ep 4)
 and over CoLA hidden's (≤ 0.85).
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -149,7 +152,7 @@ def _rank(args: argparse.Namespace, ep: int, dp: int, src: str | None) -> dict[s
             update_expert_biases(model.moe_layers(), group=dp)
 
     results: dict[str, dict[str, Any]] = {
-        label: {"bytes": [], "comm": [], "times": []} for label in parts
+        label: {"bytes": [], "comm": [], "cpu": [], "times": []} for label in parts
     }
 
     def run(label: str) -> float:
@@ -157,8 +160,9 @@ def _rank(args: argparse.Namespace, ep: int, dp: int, src: str | None) -> dict[s
         ledger = part.model.comms.ledger
         ledger.reset()
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         step(part)
+        results[label]["cpu"].append(time.process_time() - cpu)  # this process, all threads
         dist.barrier()
         seconds = time.perf_counter() - started
         results[label]["bytes"].append(ledger.totals("ep")["bytes"])
@@ -169,6 +173,7 @@ def _rank(args: argparse.Namespace, ep: int, dp: int, src: str | None) -> dict[s
         run(label)
         results[label]["bytes"].clear()
         results[label]["comm"].clear()
+        results[label]["cpu"].clear()
     for label, times in interleave(list(parts), run, args.rounds, args.steps).items():
         results[label]["times"] = times
 
@@ -201,12 +206,14 @@ def summarize(
         formula = formula_bytes(args, dispatch, dp, ep)
         times = per_rank[0]["times"]  # between barriers: the same step on every rank
         comm = statistics.mean(sum(r["comm"]) / sum(r["times"]) for r in per_rank)
+        cpu = [sum(step) for step in zip(*(r["cpu"] for r in per_rank), strict=True)]
         rows[label] = {
             "ledger": [total / dp for total in sums],
             "exact": all(total == formula * dp for total in sums),
             "formula": formula,
             "ratios": [total / (formula * dp) for total in sums],
             "step_s": statistics.median(times),
+            "cpu_s": statistics.median(cpu),  # all ranks' CPU seconds in one step
             "comm_share": comm,
             "state_mb": max(r["state_mb"] for r in per_rank),
             "peak_mb": max(r["state_mb"] + r["step_mb"] for r in per_rank),
@@ -220,8 +227,8 @@ def table(
     tokens = args.batch * args.seq_len
     header = (
         f"{'variant':<12} {'ep B/step (ledger)':>19} {'formula':>13} {'ratio':>9} "
-        f"{'step s':>7} {'vs dense':>8} {'ep comm':>8} {'tokens/s':>9} {'state MB':>9} "
-        f"{'peak MB':>8}"
+        f"{'step s':>7} {'vs dense':>8} {'ep comm':>8} {'CPU s':>6} {'tokens/s':>9} "
+        f"{'state MB':>9} {'peak MB':>8}"
     )
     out = [
         f"# moe{tree}: dp {dp} x ep {ep} (world = dp, gloo), d {args.dim}, {args.layers} layers, "
@@ -237,7 +244,7 @@ def table(
         out.append(
             f"{label:<12} {statistics.mean(r['ledger']):>19,.0f} {r['formula']:>13,} "
             f"{worst:>9.6f} {r['step_s']:>7.3f} {r['step_s'] / dense:>7.2f}x "
-            f"{100 * r['comm_share']:>7.1f}% {tokens / r['step_s']:>9,.0f} "
+            f"{100 * r['comm_share']:>7.1f}% {r['cpu_s']:>6.2f} {tokens / r['step_s']:>9,.0f} "
             f"{r['state_mb']:>9.1f} {r['peak_mb']:>8.1f}"
         )
     latent, hidden = rows["CoLA latent"], rows["CoLA hidden"]
@@ -251,6 +258,9 @@ def table(
         f"elements ({per_copy:.3f}x); payload bytes latent/hidden {payload[0] / payload[1]:.3f}",
         goal("CoLA latent / dense MoE step time", latent["step_s"] / dense, 0.7, ep == dp == 4),
         goal("CoLA latent / CoLA hidden step time", latent["step_s"] / hidden["step_s"], 0.85),
+        f"CoLA latent / CoLA hidden CPU time, all ranks: {latent['cpu_s'] / hidden['cpu_s']:.2f} "
+        f"(the step's work; with more ranks than the {os.cpu_count()} cores the step time "
+        "follows it)",
     ]
     return out
 
@@ -325,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nstep: forward, backward, expert-gradient reduction, clipping, AdamW, bias update; "
         "median of the timed steps. ratio: ledger / formula, the step furthest from 1. "
-        "peak MB: the rank's parameters and AdamW state plus the step's highest allocation "
+        "CPU s: the step's CPU seconds summed over the ranks (each process, all its threads), "
+        "median. peak MB: the rank's parameters and AdamW state plus the step's highest allocation "
         "above them (sampled from the allocator every ms), the largest rank's."
     )
     return 0
