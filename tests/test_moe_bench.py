@@ -68,6 +68,7 @@ def _fake_ranks(moe, args: argparse.Namespace, ep: int, off: int) -> dict[int, d
                 "bytes": [share, total // ep],
                 "times": [1.0, 1.0],
                 "comm": [0.1, 0.1],
+                "cpu": [0.5, 0.5],
                 "state_mb": 1.0,
                 "step_mb": 2.0,
             }
