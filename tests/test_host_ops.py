@@ -1,9 +1,9 @@
 """The host's dispatched aten ops per planned kernel, as the cost model charges them (its
 host term, issue 47), held against real trainer steps: each strategy's
 ``host_ops_per_kernel`` (``specs/strategy.py``) within 15% of what a block dispatches on real
-gloo ranks at TP 2, and the plain model's on one rank, in fp32 and bf16. A change to the
-runtime that adds or removes per-op work (a cast, a view, a wrapper) fails here until the
-spec says it."""
+gloo ranks at TP 2, and the plain model's (plain tensors at tp 1) on one rank, in fp32 and
+bf16. A change to the runtime that adds or removes per-op work (a cast, a view, a wrapper)
+fails here until the spec says it."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _plain_blocks(rank: int, world_size: int) -> list[tuple[int, int]]:
     return [_block(a, None, d) for a in PLAIN_ARCHS for d in DTYPES]
 
 
-def test_the_plain_model_dispatches_the_default_ops_per_kernel() -> None:
+def test_the_plain_model_dispatches_its_ops_per_kernel() -> None:
     """At TP 1 in a one-rank process group, as ``torchrun`` starts a one-GPU run."""
     blocks = run_distributed(_plain_blocks, 1, timeout_s=600)[0]
     cases = [(a, d) for a in PLAIN_ARCHS for d in DTYPES]

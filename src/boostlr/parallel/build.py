@@ -125,7 +125,11 @@ def materialize(
             else:
                 box = shard_box(shape, spec, rank, tp)
                 shard = initial_value(part.cfg, name, shape, seed, box, device, draw, chunk)
-                value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, shape)
+                value = (
+                    shard
+                    if tp_mesh is None or tp == 1
+                    else _as_dtensor(shard, spec, tp_mesh, shape)
+                )
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
