@@ -148,7 +148,8 @@ def _vocab_dtensor(
     device: torch.device,
     draw: bool = True,
 ) -> DTensor:
-    """This rank's rows of a vocabulary table split over dp (then over tp along ``spec``).
+    """This rank's rows of a vocabulary table split over dp (then over tp along ``spec``; at
+    tp 1 on the ``dp`` mesh alone, where FSDP's units are, so a norm sees one mesh).
 
     Rows split over tp (``spec.dim == 0``): ``(Shard(0), Shard(0))`` on ``(dp, tp)``, the
     nested chunks of :func:`boostlr.parallel.vocab.vocab_split`; columns split over tp
@@ -162,9 +163,13 @@ def _vocab_dtensor(
     shard = initial_value(
         part.cfg, name, shape, seed, box, device, draw, platform_for(device).draw_chunk_counters
     )
+    stride = torch.empty(shape, device="meta").stride()
+    if comms.tp.size == 1:  # on dp alone, as FSDP's units at tp 1: one mesh, one norm
+        return DTensor.from_local(
+            shard, comms.mesh["dp"], [Shard(0)], run_check=False, shape=shape, stride=stride
+        )
     tp_placement = Replicate() if spec.dim is None else Shard(spec.dim)
     mesh = comms.mesh["dp", "tp"]
-    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         shard, mesh, [Shard(0), tp_placement], run_check=False, shape=shape, stride=stride
     )
