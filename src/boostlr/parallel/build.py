@@ -109,7 +109,9 @@ def materialize(
     rest of a parameter. A parameter shared by several modules (tied embeddings) is
     materialised once and put back everywhere.
     """
-    tp_mesh, tp, rank = comms.tp_mesh, comms.tp.size, comms.tp.rank
+    tp, rank = comms.tp.size, comms.tp.rank
+    # At tp 1 a parameter is whole: a plain tensor, not a DTensor on a one-rank dim.
+    tp_mesh = comms.tp_mesh if tp > 1 else None
     model = part.model
     chunk = platform_for(device).draw_chunk_counters
     replaced: dict[int, nn.Parameter] = {}
@@ -125,11 +127,7 @@ def materialize(
             else:
                 box = shard_box(shape, spec, rank, tp)
                 shard = initial_value(part.cfg, name, shape, seed, box, device, draw, chunk)
-                value = (
-                    shard
-                    if tp_mesh is None or tp == 1
-                    else _as_dtensor(shard, spec, tp_mesh, shape)
-                )
+                value = shard if tp_mesh is None else _as_dtensor(shard, spec, tp_mesh, shape)
             replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
         path, _, attr = name.rpartition(".")
         setattr(model.get_submodule(path) if path else model, attr, replaced[id(param)])
